@@ -1,0 +1,107 @@
+"""Eviction methods: each answers one question per layer, which cache entries does every KV head keep?
+
+A method returns, for one layer, a list with one sorted LongTensor of kept positions per KV head, or
+``None`` to keep the whole layer. The selection rule (attention or perturbation) is orthogonal to the
+budget allocation (uniform, pyramid, adaptive), so SnapKV, PyramidKV and AdaKV are one class with
+different allocators.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .budgets import adaptive_budgets, pyramid_layer_budget, uniform_budgets
+from .scores import group_mean, pool_scores, window_attention
+from .selection import AttentionSelection, PerturbationSelection, WindowScores
+
+
+@dataclass
+class LayerState:
+    """What a method may look at for one layer right after prefill."""
+    layer_idx: int
+    n_layers: int
+    keys: torch.Tensor            # (H_kv, n, d), rotary already applied
+    values: torch.Tensor          # (H_kv, n, d)
+    window_queries: torch.Tensor  # (H_q, w, d), the last w queries, rotary applied
+    o_proj_weight: torch.Tensor   # (hidden, H_q * d)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.keys.shape[1]
+
+
+class FullCache:
+    """Keeps everything: the reference every method is measured against."""
+    uses_selection = False
+
+    def keep(self, layer: LayerState):
+        return None
+
+
+@dataclass
+class StreamingLLM:
+    """Attention sinks plus the most recent tokens (Xiao et al.): ``sinks`` first and ``budget - sinks`` last."""
+    budget: int
+    sinks: int = 4
+    uses_selection = False
+
+    def keep(self, layer: LayerState):
+        n = layer.n_tokens
+        if n <= self.budget:
+            return None
+        idx = torch.cat([torch.arange(self.sinks), torch.arange(n - (self.budget - self.sinks), n)])
+        idx = idx.to(layer.keys.device)
+        return [idx for _ in range(layer.keys.shape[0])]
+
+
+# An allocator maps (layer, stage-1 scores (H_kv, m)) to prefix budgets per KV head.
+Allocator = Callable[[LayerState, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class WindowEviction:
+    """SnapKV-style eviction: score the prefix by the observation window, allocate, select (Alg. 2).
+
+    The last ``window`` tokens are always kept and count in ``budget``; a layer whose prompt fits in
+    its budget is left whole.
+    """
+    budget: int
+    window: int
+    kernel: int
+    pooling: str
+    allocator: Allocator
+    selection: AttentionSelection | PerturbationSelection
+    uses_selection = True
+
+    def keep(self, layer: LayerState):
+        n, w = layer.n_tokens, self.window
+        if n <= self.budget:
+            return None
+        m = n - w
+        attn = window_attention(layer.window_queries, layer.keys)      # (H_q, w, n)
+        mean = attn[:, :, :m].mean(dim=1)                                # (H_q, m)
+        pooled = pool_scores(mean, self.kernel, self.pooling)
+        ws = WindowScores(mean, pooled, group_mean(pooled, layer.keys.shape[0]),
+                          layer.values[:, :m], layer.o_proj_weight)
+        budgets = self.allocator(layer, ws.stage1)
+        if int(budgets.min()) >= m:
+            return None
+        window_idx = torch.arange(m, n, device=layer.keys.device)
+        return [torch.cat([prefix, window_idx]) for prefix in self.selection.select(budgets, ws)]
+
+
+def uniform_allocator(budget: int, window: int) -> Allocator:
+    return lambda layer, s1: uniform_budgets(s1.shape[0], budget, window, s1.shape[1])
+
+
+def pyramid_allocator(budget: int, window: int, beta: int) -> Allocator:
+    def allocate(layer: LayerState, s1: torch.Tensor) -> torch.Tensor:
+        b = pyramid_layer_budget(layer.layer_idx, layer.n_layers, budget, window, s1.shape[1], beta)
+        return torch.full((s1.shape[0],), b, dtype=torch.long)
+    return allocate
+
+
+def adaptive_allocator(budget: int, window: int, floor: float) -> Allocator:
+    return lambda layer, s1: adaptive_budgets(s1, budget, window, floor)

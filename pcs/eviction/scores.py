@@ -1,0 +1,74 @@
+"""Scores that rank cache entries: window attention (SnapKV) and the projected value norm (PCS paper, Alg. 1).
+
+Shapes follow one layer of one sequence: keys/values are (H_kv, n, d), window queries (H_q, w, d).
+Query head h reads KV head h // group, as in grouped-query attention.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def window_attention(window_queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of the last ``w`` queries over all ``n`` keys, causal inside the window.
+
+    Returns (H_q, w, n) in float32. This is line 3 of the paper's Algorithm 2 before the mean.
+    """
+    n_q_heads, w, d = window_queries.shape
+    n_kv_heads, n, _ = keys.shape
+    group = n_q_heads // n_kv_heads
+    q = window_queries.float().reshape(n_kv_heads, group * w, d)
+    logits = torch.bmm(q, keys.float().transpose(1, 2)).view(n_q_heads, w, n) / math.sqrt(d)
+    # Window query j sits at position n - w + j and may not see keys after it.
+    future = torch.ones(w, w, dtype=torch.bool, device=keys.device).triu(1)
+    logits[:, :, n - w:].masked_fill_(future, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
+    """1-D pooling along tokens with 'same' padding (SnapKV's clustering step, Alg. 2 line 4)."""
+    if kernel <= 1:
+        return scores
+    x = scores.unsqueeze(1) if scores.dim() == 2 else scores
+    if pooling == "max":
+        out = F.max_pool1d(x, kernel_size=kernel, stride=1, padding=kernel // 2)
+    elif pooling == "avg":
+        # count_include_pad=False so that edge tokens are not diluted by the zero padding.
+        out = F.avg_pool1d(x, kernel_size=kernel, stride=1, padding=kernel // 2, count_include_pad=False)
+    else:
+        raise ValueError(f"pooling must be 'max' or 'avg', got {pooling!r}")
+    return out.squeeze(1) if scores.dim() == 2 else out
+
+
+def group_mean(per_query_head: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """Average (H_q, n) scores over each KV head's group of query heads -> (H_kv, n)."""
+    n_q_heads, n = per_query_head.shape
+    return per_query_head.view(n_kv_heads, n_q_heads // n_kv_heads, n).mean(dim=1)
+
+
+def projected_value_norms(values: torch.Tensor, o_proj_weight: torch.Tensor,
+                          max_elements: int | None = None) -> torch.Tensor:
+    """``||v_i W^O_h||_1`` for every query head h and token i -> (H_q, n) float32.
+
+    ``o_proj_weight`` is the (hidden, H_q * d) weight of the output projection; query head h owns its
+    input columns ``[h*d, (h+1)*d)``. Work goes head by head and in token chunks so that the temporary
+    (chunk x hidden) product never exceeds ``max_elements`` (default: one layer's keys, H_kv * n * d),
+    never a tokens x heads x hidden tensor.
+    """
+    n_kv_heads, n, d = values.shape
+    hidden, qd = o_proj_weight.shape
+    n_q_heads = qd // d
+    group = n_q_heads // n_kv_heads
+    if max_elements is None:
+        max_elements = n_kv_heads * n * d
+    chunk = max(1, min(n, max_elements // hidden))
+    norms = torch.empty(n_q_heads, n, dtype=torch.float32, device=values.device)
+    for h in range(n_q_heads):
+        w_h = o_proj_weight[:, h * d:(h + 1) * d]          # (hidden, d): v W^O_h == w_h @ v
+        v = values[h // group]
+        for start in range(0, n, chunk):
+            block = v[start:start + chunk] @ w_h.T          # (chunk, hidden), model dtype
+            norms[h, start:start + chunk] = block.float().abs().sum(dim=-1)
+    return norms
