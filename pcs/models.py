@@ -43,6 +43,7 @@ def converted_gguf(package: str, filename: str, cache_dir: str | None) -> Path:
     model = AutoModelForCausalLM.from_pretrained(source, gguf_file=filename, dtype=torch.float32)
     # The dequantized weights are plain float32; the GGUF marker would make save_pretrained refuse.
     del model.config.quantization_config
+    model.hf_quantizer = None
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
     model.save_pretrained(tmp)

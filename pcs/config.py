@@ -1,0 +1,88 @@
+"""Checks on a composed config, run before any model loads, and the run folder's name.
+
+Every message names the offending value and what would be accepted.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from .benchmarks import BENCHMARKS
+from .eviction import METHODS, SELECTIONS
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CHOICES = {
+    "method.pooling": ("max", "avg"),
+    "selection.stage2_source": ("unpooled", "pooled"),
+    "selection.gqa": ("mean_of_products", "product_of_means"),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+}
+
+
+class ConfigError(ValueError):
+    """A user-fixable config problem."""
+
+
+def one_of(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, allowed))}")
+
+
+def validate(cfg: DictConfig) -> None:
+    one_of("method", cfg.method.name, METHODS)
+    one_of("selection", cfg.selection.name, SELECTIONS)
+    one_of("benchmark", cfg.benchmark.name, tuple(BENCHMARKS))
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value is not None:
+            one_of(key, value, allowed)
+    budget = cfg.budget
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
+        raise ConfigError(f"budget={budget!r} must be a positive integer (entries per KV head)")
+    window = cfg.method.get("window")
+    if window is not None and not 0 < window <= budget:
+        raise ConfigError(f"budget={budget} cannot hold the observation window method.window={window}; "
+                          f"use budget >= {window} or a smaller window")
+    sinks = cfg.method.get("sinks")
+    if sinks is not None and not 0 <= sinks <= budget:
+        raise ConfigError(f"budget={budget} cannot hold method.sinks={sinks} attention sinks")
+    alpha = cfg.selection.get("alpha")
+    if alpha is not None and not 0.0 <= alpha <= 1.0:
+        raise ConfigError(f"selection.alpha={alpha} must lie in [0, 1]")
+    floor = cfg.method.get("floor")
+    if floor is not None and not 0.0 <= floor <= 1.0:
+        raise ConfigError(f"method.floor={floor} must lie in [0, 1]")
+    if cfg.model.get("path") and not Path(cfg.model.path).exists():
+        raise ConfigError(f"model.path={cfg.model.path!r} does not exist")
+
+
+def selection_applies(cfg: DictConfig) -> bool:
+    """Full cache and StreamingLLM choose no entries by score, so the selection rule is moot."""
+    return cfg.method.name not in ("full", "streamingllm")
+
+
+def group_overrides(cfg: DictConfig, group: str) -> list[str]:
+    """``key=value`` for each knob of a config group that differs from the group file's default."""
+    node = cfg[group]
+    default_file = CONF_DIR / group / f"{node.name}.yaml"
+    if not default_file.exists():
+        return []
+    default = OmegaConf.to_container(OmegaConf.load(default_file))
+    current = OmegaConf.to_container(node, resolve=True)
+    return [f"{k}={current[k]}" for k in sorted(current)
+            if k != "name" and k in default and current[k] != default[k]]
+
+
+def run_name(cfg: DictConfig) -> str:
+    """``<benchmark>/<model>/<method>_<selection>_b<budget>[_knob=value...]``."""
+    if cfg.method.name == "full":
+        leaf = "full"
+    else:
+        selection = cfg.selection.name if selection_applies(cfg) else "none"
+        leaf = f"{cfg.method.name}_{selection}_b{cfg.budget}"
+    groups = ["method", "benchmark"] + (["selection"] if selection_applies(cfg) else [])
+    knobs = [kv for g in groups for kv in group_overrides(cfg, g)]
+    if knobs:
+        leaf += "_" + "_".join(kv.replace(" ", "").replace("/", "-") for kv in knobs)
+    return f"{cfg.benchmark.name}/{cfg.model.name}/{leaf}"

@@ -1,0 +1,117 @@
+"""One run: validate, resume or start the run folder, generate sample by sample, score, summarise.
+
+Run folder (DESIGN.md): ``config.yaml`` (resolved), ``predictions.jsonl`` (one flushed line per
+finished sample), ``metrics.json`` (written atomically, last: its presence means the run finished).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from .benchmarks import build_benchmark
+from .config import run_name, selection_applies, validate
+from .eviction import build_method
+from .generate import greedy_generate
+from .models import load_model, stop_token_ids
+from .prompts import encode_prompt
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Finished predictions; a torn last line (the process died mid-write) is dropped."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> None:
+    """Create the folder with its config, or check that an existing one holds the same config."""
+    wanted = OmegaConf.to_yaml(cfg, resolve=True)
+    config_file = run_dir / "config.yaml"
+    if config_file.exists():
+        if config_file.read_text() != wanted:
+            raise RuntimeError(f"{run_dir} holds a run with a different config; "
+                               f"remove it or choose another results_dir")
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_file.write_text(wanted)
+
+
+def run(cfg: DictConfig) -> dict:
+    """Run (or resume, or skip) the configured cell; returns its metrics."""
+    validate(cfg)
+    benchmark = build_benchmark(cfg.benchmark)
+    benchmark.check()
+    run_dir = Path(cfg.results_dir) / run_name(cfg)
+    metrics_file = run_dir / "metrics.json"
+    if metrics_file.exists():
+        metrics = json.loads(metrics_file.read_text())
+        print(f"[pcs] already finished: {run_dir} (score {metrics['score']:.2f}); nothing to do")
+        return metrics
+    prepare_run_dir(cfg, run_dir)
+    if not selection_applies(cfg):
+        print(f"[pcs] method={cfg.method.name} keeps entries without scores: selection is not used")
+
+    started = time.time()
+    model, tokenizer = load_model(cfg.model)
+    method = build_method(cfg)
+    stops = stop_token_ids(model, tokenizer, cfg.model.stop_tokens)
+    samples = benchmark.samples(tokenizer)
+    predictions_file = run_dir / "predictions.jsonl"
+    rows = read_rows(predictions_file)
+    done = {row["id"] for row in rows}
+    todo = [s for s in samples if s.id not in done]
+    if done:
+        print(f"[pcs] resuming {run_dir}: {len(done)} of {len(samples)} samples already done")
+    # Rewrite what was read so that a torn last line does not stay in the file.
+    with predictions_file.open("w") as out:
+        out.writelines(json.dumps(row) + "\n" for row in rows)
+        for sample in tqdm(todo, desc=run_name(cfg), disable=not cfg.progress, unit="sample"):
+            input_ids = encode_prompt(tokenizer, sample.prompt, cfg.model)
+            gen = greedy_generate(model, input_ids, method, sample.max_new_tokens, stops)
+            prediction = tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+            row = {"id": sample.id, "prediction": prediction, "score": benchmark.score(sample, prediction),
+                   "prompt_tokens": gen.prompt_tokens, "new_tokens": len(gen.token_ids),
+                   "kv_cache_bytes": gen.kv_cache_bytes, "kv_cache_bytes_full": gen.kv_cache_bytes_full,
+                   "prefill_s": round(gen.prefill_s, 4), "decode_s": round(gen.decode_s, 4), **sample.meta}
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+            rows.append(row)
+
+    metrics = benchmark.metrics(rows)
+    metrics.update({
+        "n_samples": len(rows),
+        "kv_cache_bytes": sum(r["kv_cache_bytes"] for r in rows),
+        "kv_cache_bytes_full": sum(r["kv_cache_bytes_full"] for r in rows),
+        "wall_time_s": round(time.time() - started, 2),
+        "device": str(next(model.parameters()).device),
+        "torch": torch.__version__,
+    })
+    write_json_atomic(metrics_file, metrics)
+    print_summary(run_dir, metrics)
+    return metrics
+
+
+def print_summary(run_dir: Path, metrics: dict) -> None:
+    kept, full = metrics["kv_cache_bytes"], metrics["kv_cache_bytes_full"]
+    print(f"\n[pcs] {run_dir}\n"
+          f"  score      {metrics['score']:.2f}  ({metrics['n_samples']} samples)\n"
+          f"  KV memory  {kept / 2**20:.1f} MiB kept of {full / 2**20:.1f} MiB full ({100 * kept / full:.1f} %)\n"
+          f"  time       {metrics['wall_time_s']:.1f} s")
