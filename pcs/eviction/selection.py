@@ -24,9 +24,12 @@ class WindowScores:
 
 
 def topk_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the ``k`` highest scores, ascending. Ties (common after max pooling) go to the
+    earlier position, so the choice is deterministic across devices and runs."""
     if k <= 0:
         return torch.empty(0, dtype=torch.long, device=scores.device)
-    return scores.topk(k).indices.sort().values
+    order = torch.sort(scores, descending=True, stable=True).indices
+    return order[:k].sort().values
 
 
 @dataclass

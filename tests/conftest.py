@@ -1,0 +1,55 @@
+"""Shared fixtures: composed configs, random-weight tiny models of the supported architectures."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from pcs.models import prepare
+
+CONF = str(Path(__file__).resolve().parent.parent / "conf")
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+ARCHITECTURES = {
+    "llama": lambda: LlamaConfig(**TINY),
+    "mistral": lambda: MistralConfig(**TINY, sliding_window=None),
+    "qwen2": lambda: Qwen2Config(**TINY),
+}
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def tiny_model(arch: str = "llama", seed: int = 0):
+    torch.manual_seed(seed)
+    return prepare(AutoModelForCausalLM.from_config(ARCHITECTURES[arch]()))
+
+
+@pytest.fixture(params=sorted(ARCHITECTURES))
+def arch(request):
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def embedded_dir():
+    """The embedded SmolLM2, converted once (about 20 s the first time, then cached)."""
+    from pcs.models import converted_gguf
+    cfg = compose_cfg()
+    return converted_gguf(cfg.model.gguf.package, cfg.model.gguf.file, None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(embedded_dir, tmp_path_factory):
+    """A random-weight tiny Llama with the embedded tokenizer, saved as local weights (model.path)."""
+    from transformers import AutoTokenizer
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**{**TINY, "vocab_size": 49152, "max_position_embeddings": 4096}))
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(embedded_dir).save_pretrained(path)
+    return path

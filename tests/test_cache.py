@@ -1,0 +1,136 @@
+"""The compressed cache: decoding on it equals full attention with the evicted entries masked out,
+and the bytes it reports are the bytes it really holds."""
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import AttentionInterface, DynamicCache
+
+from pcs.cache import CompressedCache
+from pcs.compression import compress_after_prefill
+from pcs.eviction import build_method
+from pcs.generate import full_kv_bytes, greedy_generate
+
+from conftest import compose_cfg, tiny_model
+
+
+class Spy:
+    """Wraps a method and records what each layer kept."""
+    def __init__(self, method):
+        self.method, self.kept = method, {}
+        self.window = getattr(method, "window", 0)
+
+    def keep(self, layer):
+        kept = self.method.keep(layer)
+        self.kept[layer.layer_idx] = kept
+        return kept
+
+
+def method_for(name, selection, budget, **knobs):
+    cfg = compose_cfg(f"method={name}", f"selection={selection}", f"budget={budget}",
+                      *[f"method.{k}={v}" for k, v in knobs.items()])
+    return build_method(cfg)
+
+
+def masked_reference_logits(model, input_ids, kept, n_steps, tokens):
+    """Dense cache, eager attention, evicted positions masked per layer and KV head."""
+    n = input_ids.shape[1]
+    cfg = model.config
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+
+    def masked_eager(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        q_len, kv_len = query.shape[2], key.shape[2]
+        if q_len > 1:   # prefill: plain causal attention
+            allowed = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)[None].expand(query.shape[1], -1, -1)
+        else:
+            allowed = torch.zeros(query.shape[1], 1, kv_len, dtype=torch.bool)
+            allowed[:, :, n:] = True   # decoded tokens are never evicted
+            heads = kept.get(module.layer_idx)
+            for h in range(query.shape[1]):
+                allowed[h, :, heads[h // group] if heads is not None else slice(0, n)] = True
+        k = key.repeat_interleave(group, dim=1)
+        v = value.repeat_interleave(group, dim=1)
+        scores = (query @ k.transpose(-1, -2)) * scaling
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        return (scores.softmax(-1) @ v).transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("masked_ref", masked_eager)
+    model.set_attn_implementation("masked_ref")
+    try:
+        cache = DynamicCache(config=cfg)
+        out = [model(input_ids=input_ids, past_key_values=cache).logits[0, -1]]
+        for t in range(n_steps):
+            out.append(model(input_ids=torch.tensor([[tokens[t]]]), past_key_values=cache).logits[0, -1])
+        return torch.stack(out)
+    finally:
+        model.set_attn_implementation("pcs")
+
+
+def compressed_logits(model, input_ids, method, tokens):
+    cache = CompressedCache(model.config.num_hidden_layers)
+    n = input_ids.shape[1]
+    with compress_after_prefill(model, method, cache):
+        out = [model(input_ids=input_ids, past_key_values=cache).logits[0, -1]]
+    for t, tok in enumerate(tokens):
+        out.append(model(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[n + t]]),
+                         past_key_values=cache).logits[0, -1])
+    return torch.stack(out), cache
+
+
+@pytest.mark.parametrize("name,selection", [("snapkv", "perturbation"), ("pyramidkv", "attention"),
+                                            ("adakv", "perturbation"), ("streamingllm", "attention")])
+def test_decoding_on_compressed_cache_equals_masked_full_attention(arch, name, selection):
+    model = tiny_model(arch)
+    torch.manual_seed(1)
+    input_ids = torch.randint(0, 256, (1, 90))
+    tokens = torch.randint(0, 256, (5,)).tolist()
+    spy = Spy(method_for(name, selection, 40, **({} if name == "streamingllm" else {"window": 8})))
+    with torch.no_grad():
+        got, cache = compressed_logits(model, input_ids, spy, tokens)
+        want = masked_reference_logits(model, input_ids, spy.kept, len(tokens), tokens)
+    assert all(spy.kept[l] is not None for l in range(model.config.num_hidden_layers))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # Held entries per head: what was kept plus the decoded tokens.
+    for l, layer in enumerate(cache.layers):
+        assert layer.entries_per_head() == [len(k) + len(tokens) for k in spy.kept[l]]
+
+
+@pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "adakv"])
+def test_kv_bytes_are_the_tensors_held_and_memory_is_freed(name):
+    model = tiny_model("llama")
+    input_ids = torch.randint(0, 256, (1, 120))
+    spy = Spy(method_for(name, "perturbation", 48, window=8))
+    gen = greedy_generate(model, input_ids, spy, 1, set())
+    cfg = model.config
+    d = cfg.hidden_size // cfg.num_attention_heads
+    expected = sum(len(k) for kept in spy.kept.values() for k in kept) * d * 2 * 4
+    assert gen.kv_cache_bytes == expected
+    dense = DynamicCache(config=cfg)
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        model(input_ids=input_ids, past_key_values=dense)
+    model.set_attn_implementation("pcs")
+    assert gen.kv_cache_bytes_full == sum(l.keys.nbytes + l.values.nbytes for l in dense.layers)
+    assert gen.kv_cache_bytes_full == full_kv_bytes(cfg, 120, torch.float32)
+
+
+def test_compressed_heads_own_their_memory():
+    """Kept entries are copied out: no head tensor is a view into the freed full cache."""
+    model = tiny_model("llama")
+    cache = CompressedCache(model.config.num_hidden_layers)
+    with torch.no_grad(), compress_after_prefill(model, method_for("adakv", "perturbation", 40, window=8), cache):
+        model(input_ids=torch.randint(0, 256, (1, 200)), past_key_values=cache)
+    for layer in cache.layers:
+        assert layer.keys is None and layer.values is None
+        for t in layer.head_keys + layer.head_values:
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("name,budget", [("snapkv", 64), ("snapkv", 128), ("adakv", 64), ("adakv", 128),
+                                         ("pyramidkv", 64), ("pyramidkv", 128)])
+def test_kept_fraction_is_budget_over_prompt(name, budget):
+    model = tiny_model("llama")
+    for n in (100, 300):
+        gen = greedy_generate(model, torch.randint(0, 256, (1, n)), method_for(name, "perturbation", budget), 1, set())
+        ratio = gen.kv_cache_bytes / gen.kv_cache_bytes_full
+        tolerance = 0.05 if name == "pyramidkv" else 0.02
+        assert abs(ratio / (min(budget, n) / n) - 1) <= tolerance

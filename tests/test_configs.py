@@ -1,0 +1,42 @@
+"""Every config option composes, validates and builds a method; run names stay distinct."""
+from pathlib import Path
+
+import pytest
+
+from pcs.config import run_name, validate
+from pcs.eviction import build_method
+
+from conftest import CONF, compose_cfg
+
+GROUPS = {g: sorted(p.stem for p in (Path(CONF) / g).glob("*.yaml")) for g in ("model", "method", "selection", "benchmark")}
+
+
+def test_defaults_are_the_embedded_main_job():
+    cfg = compose_cfg()
+    assert (cfg.model.name, cfg.benchmark.name, cfg.method.name, cfg.selection.name, cfg.budget) == \
+        ("smollm2", "needle", "snapkv", "perturbation", 128)
+    assert cfg.selection.alpha == 0.25 and cfg.method.window == 32 and cfg.method.kernel == 7
+    assert run_name(cfg) == "needle/smollm2/snapkv_perturbation_b128"
+
+
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_every_option_composes_and_builds(group):
+    for option in GROUPS[group]:
+        cfg = compose_cfg(f"{group}={option}")
+        validate(cfg)
+        build_method(cfg)
+
+
+def test_models_declare_dtype_length_chat_and_path():
+    for option in GROUPS["model"]:
+        m = compose_cfg(f"model={option}").model
+        assert m.dtype and m.max_length > 0 and isinstance(m.chat_template, bool) and "path" in m
+
+
+def test_run_names_distinguish_cells_and_knobs():
+    names = {run_name(compose_cfg(f"method={m}", f"selection={s}", f"budget={b}"))
+             for m in GROUPS["method"] for s in ("attention", "perturbation") for b in (64, 128)}
+    # full ignores selection and budget, streamingllm ignores selection.
+    assert len(names) == 1 + 2 + 3 * 2 * 2
+    assert run_name(compose_cfg("selection.alpha=0")) == "needle/smollm2/snapkv_perturbation_b128_alpha=0"
+    assert "stage2_source=pooled" in run_name(compose_cfg("selection=perturbation_released"))

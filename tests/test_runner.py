@@ -1,0 +1,107 @@
+"""The run folder contract: files, fields, resume, skip, refusal, and fail-fast config errors."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pcs.runner
+from pcs.config import ConfigError
+from pcs.runner import run
+
+from conftest import compose_cfg
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def small_cfg(model_dir, results, *extra):
+    return compose_cfg(f"model.path={model_dir}", f"results_dir={results}", "progress=false",
+                       "benchmark.context_lengths=[200,300]", "benchmark.depth_percents=[0,100]",
+                       "benchmark.max_new_tokens=3", "budget=64", *extra)
+
+
+def folder(results, cfg):
+    return Path(results) / pcs.runner.run_name(cfg)
+
+
+def test_run_writes_the_documented_folder(tiny_model_dir, tmp_path):
+    cfg = small_cfg(tiny_model_dir, tmp_path)
+    metrics = run(cfg)
+    d = folder(tmp_path, cfg)
+    assert d.name == "snapkv_perturbation_b64_context_lengths=[200,300]_depth_percents=[0,100]_max_new_tokens=3"
+    assert (d / "config.yaml").exists()
+    rows = [json.loads(l) for l in (d / "predictions.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["len200_depth0", "len200_depth100", "len300_depth0", "len300_depth100"]
+    for r in rows:
+        assert {"id", "prediction", "prompt_tokens", "kv_cache_bytes", "kv_cache_bytes_full", "score"} <= set(r)
+        assert abs(r["kv_cache_bytes"] / r["kv_cache_bytes_full"] - 64 / r["prompt_tokens"]) < 1e-9
+    on_disk = json.loads((d / "metrics.json").read_text())
+    assert on_disk == metrics
+    assert on_disk["n_samples"] == 4
+    assert on_disk["kv_cache_bytes"] == sum(r["kv_cache_bytes"] for r in rows)
+    assert on_disk["score"] == pytest.approx(sum(r["score"] for r in rows) / 4)
+    assert set(on_disk["grid"]) == {"200", "300"}
+    for key in ("kv_cache_bytes_full", "wall_time_s"):
+        assert key in on_disk
+
+
+def test_finished_run_is_not_redone(tiny_model_dir, tmp_path, monkeypatch):
+    cfg = small_cfg(tiny_model_dir, tmp_path)
+    first = run(cfg)
+    monkeypatch.setattr(pcs.runner, "load_model", lambda *a: pytest.fail("a finished run loaded the model"))
+    assert run(cfg) == first
+
+
+def test_interrupted_run_resumes_at_first_missing_sample(tiny_model_dir, tmp_path):
+    cfg = small_cfg(tiny_model_dir, tmp_path)
+    run(cfg)
+    d = folder(tmp_path, cfg)
+    complete = (d / "predictions.jsonl").read_text().splitlines()
+    # Simulate a crash: two samples done, a third torn mid-write, no metrics.
+    (d / "metrics.json").unlink()
+    (d / "predictions.jsonl").write_text("\n".join(complete[:2]) + "\n" + complete[2][:25])
+    run(cfg)
+    resumed = (d / "predictions.jsonl").read_text().splitlines()
+    assert [json.loads(l)["id"] for l in resumed] == [json.loads(l)["id"] for l in complete]
+    assert resumed[:2] == complete[:2]
+    strip = lambda l: {k: v for k, v in json.loads(l).items() if k not in ("prefill_s", "decode_s")}
+    assert [strip(l) for l in resumed] == [strip(l) for l in complete]   # greedy: same outputs
+    assert (d / "metrics.json").exists()
+
+
+def test_folder_with_another_config_is_refused(tiny_model_dir, tmp_path):
+    cfg = small_cfg(tiny_model_dir, tmp_path)
+    d = folder(tmp_path, cfg)
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text("something: else\n")
+    with pytest.raises(RuntimeError, match="different config"):
+        run(cfg)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("budget=16", "budget=16"), ("budget=0", "budget=0"), ("budget=-5", "budget=-5"),
+    ("selection.alpha=1.5", "selection.alpha=1.5"), ("selection.alpha=-0.1", "selection.alpha=-0.1"),
+    ("model.path=/no/such/weights", "/no/such/weights"), ("method.pooling=median", "median"),
+])
+def test_bad_values_fail_before_the_model_loads(tmp_path, monkeypatch, override, needle):
+    monkeypatch.setattr(pcs.runner, "load_model", lambda *a: pytest.fail("model loaded before validation"))
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        run(compose_cfg(f"results_dir={tmp_path}", override))
+    assert not any(tmp_path.iterdir())   # nothing half-written
+
+
+def test_unknown_option_lists_valid_ones():
+    proc = subprocess.run([sys.executable, "run.py", "method=nope"], cwd=ROOT, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "Available options in 'method'" in out
+    for name in ("adakv", "full", "pyramidkv", "snapkv", "streamingllm"):
+        assert name in out
+
+
+def test_cli_reports_config_error_with_exit_code(tmp_path):
+    proc = subprocess.run([sys.executable, "run.py", "budget=8", f"results_dir={tmp_path}"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "budget=8" in proc.stderr and "window" in proc.stderr
