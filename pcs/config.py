@@ -53,6 +53,10 @@ def validate(cfg: DictConfig) -> None:
     floor = cfg.method.get("floor")
     if floor is not None and not 0.0 <= floor <= 1.0:
         raise ConfigError(f"method.floor={floor} must lie in [0, 1]")
+    lengths = cfg.benchmark.get("context_lengths") or []
+    too_long = [n for n in lengths if n > cfg.model.max_length]
+    if too_long:
+        raise ConfigError(f"benchmark.context_lengths {too_long} exceed model.max_length={cfg.model.max_length}")
     if cfg.model.get("path") and not Path(cfg.model.path).exists():
         raise ConfigError(f"model.path={cfg.model.path!r} does not exist")
 

@@ -80,8 +80,9 @@ def load_model(model_cfg):
     """(model, tokenizer) for a ``model`` config group."""
     location = weights_location(model_cfg)
     tokenizer = AutoTokenizer.from_pretrained(location)
-    model = AutoModelForCausalLM.from_pretrained(location, dtype=DTYPES[model_cfg.dtype])
-    model.to(pick_device(model_cfg.get("device")))
+    # device_map="auto" spreads a model too big for one GPU (Qwen2.5-32B) over all visible GPUs.
+    device_map = model_cfg.get("device_map") or str(pick_device(model_cfg.get("device")))
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=DTYPES[model_cfg.dtype], device_map=device_map)
     return prepare(model), tokenizer
 
 
