@@ -66,6 +66,20 @@ def selection_applies(cfg: DictConfig) -> bool:
     return cfg.method.name not in ("full", "streamingllm")
 
 
+def saved_config(cfg: DictConfig) -> str:
+    """The resolved config as written to ``config.yaml``, without what cannot change the results:
+    where results go, the progress bar, and the budget or selection of methods that ignore them.
+    Two requests for the same run folder must produce the same text."""
+    data = OmegaConf.to_container(cfg, resolve=True)
+    for key in ("results_dir", "progress"):
+        data.pop(key, None)
+    if not selection_applies(cfg):
+        data.pop("selection", None)
+    if cfg.method.name == "full":
+        data.pop("budget", None)
+    return OmegaConf.to_yaml(OmegaConf.create(data))
+
+
 def group_overrides(cfg: DictConfig, group: str) -> list[str]:
     """``key=value`` for each knob of a config group that differs from the group file's default."""
     node = cfg[group]

@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
 from .benchmarks import build_benchmark
-from .config import run_name, selection_applies, validate
+from .config import run_name, saved_config, selection_applies, validate
 from .eviction import build_method
 from .generate import greedy_generate
 from .models import load_model, stop_token_ids
@@ -43,7 +43,7 @@ def write_json_atomic(path: Path, obj) -> None:
 
 def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> None:
     """Create the folder with its config, or check that an existing one holds the same config."""
-    wanted = OmegaConf.to_yaml(cfg, resolve=True)
+    wanted = saved_config(cfg)
     config_file = run_dir / "config.yaml"
     if config_file.exists():
         if config_file.read_text() != wanted:

@@ -106,3 +106,9 @@ def test_cli_reports_config_error_with_exit_code(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert "budget=8" in proc.stderr and "window" in proc.stderr
+
+
+def test_full_cache_runs_share_one_folder_whatever_budget_or_selection(tiny_model_dir, tmp_path, monkeypatch):
+    first = run(small_cfg(tiny_model_dir, tmp_path, "method=full", "budget=64", "selection=attention"))
+    monkeypatch.setattr(pcs.runner, "load_model", lambda *a: pytest.fail("the same full-cache run was redone"))
+    assert run(small_cfg(tiny_model_dir, tmp_path / ".." / tmp_path.name, "method=full", "budget=256")) == first
