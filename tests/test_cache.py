@@ -2,7 +2,6 @@
 and the bytes it reports are the bytes it really holds."""
 import pytest
 import torch
-from omegaconf import OmegaConf
 from transformers import AttentionInterface, DynamicCache
 
 from pcs.cache import CompressedCache
