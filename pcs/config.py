@@ -53,10 +53,14 @@ def validate(cfg: DictConfig) -> None:
     floor = cfg.method.get("floor")
     if floor is not None and not 0.0 <= floor <= 1.0:
         raise ConfigError(f"method.floor={floor} must lie in [0, 1]")
+    window, max_length = cfg.model.context_window, cfg.model.max_length
+    if not isinstance(max_length, int) or not 0 < max_length <= window:
+        raise ConfigError(f"model.max_length={max_length!r} must be a positive integer no larger than "
+                          f"model.context_window={window}")
     lengths = cfg.benchmark.get("context_lengths") or []
-    too_long = [n for n in lengths if n > cfg.model.max_length]
+    too_long = [n for n in lengths if n > window]
     if too_long:
-        raise ConfigError(f"benchmark.context_lengths {too_long} exceed model.max_length={cfg.model.max_length}")
+        raise ConfigError(f"benchmark.context_lengths {too_long} exceed model.context_window={window}")
     if cfg.model.get("path") and not Path(cfg.model.path).exists():
         raise ConfigError(f"model.path={cfg.model.path!r} does not exist")
 
@@ -80,6 +84,16 @@ def saved_config(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(data))
 
 
+# Where files live and which device runs: not part of what a run measures, so not in its name.
+NOT_IN_NAME = {"name", "path", "cache_dir", "device", "device_map", "data_dir", "haystack_dir"}
+
+
+def knob_text(value) -> str:
+    if isinstance(value, list):
+        return "+".join(map(str, value))
+    return str(value).replace(" ", "").replace("/", "-")
+
+
 def group_overrides(cfg: DictConfig, group: str) -> list[str]:
     """``key=value`` for each knob of a config group that differs from the group file's default."""
     node = cfg[group]
@@ -88,8 +102,8 @@ def group_overrides(cfg: DictConfig, group: str) -> list[str]:
         return []
     default = OmegaConf.to_container(OmegaConf.load(default_file))
     current = OmegaConf.to_container(node, resolve=True)
-    return [f"{k}={current[k]}" for k in sorted(current)
-            if k != "name" and k in default and current[k] != default[k]]
+    return [f"{k}={knob_text(current[k])}" for k in sorted(current)
+            if k not in NOT_IN_NAME and k in default and current[k] != default[k]]
 
 
 def run_name(cfg: DictConfig) -> str:
@@ -99,8 +113,8 @@ def run_name(cfg: DictConfig) -> str:
     else:
         selection = cfg.selection.name if selection_applies(cfg) else "none"
         leaf = f"{cfg.method.name}_{selection}_b{cfg.budget}"
-    groups = ["method", "benchmark"] + (["selection"] if selection_applies(cfg) else [])
+    groups = ["model", "method", "benchmark"] + (["selection"] if selection_applies(cfg) else [])
     knobs = [kv for g in groups for kv in group_overrides(cfg, g)]
     if knobs:
-        leaf += "_" + "_".join(kv.replace(" ", "").replace("/", "-") for kv in knobs)
+        leaf += "_" + "_".join(knobs)
     return f"{cfg.benchmark.name}/{cfg.model.name}/{leaf}"

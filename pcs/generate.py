@@ -28,29 +28,40 @@ def full_kv_bytes(config, n_tokens: int, dtype: torch.dtype) -> int:
 
 
 @torch.inference_mode()
-def greedy_generate(model, input_ids: torch.Tensor, method, max_new_tokens: int,
-                    stop_token_ids: set[int]) -> Generation:
-    """Greedy decoding; stops at any of ``stop_token_ids`` (not included in the output)."""
+def greedy_generate(model, input_ids: torch.Tensor, method, max_new_tokens: int, stop_token_ids: set[int],
+                    question_ids: torch.Tensor | None = None, min_new_tokens: int = 0) -> Generation:
+    """Greedy decoding; stops at any of ``stop_token_ids`` (not included in the output), never
+    before ``min_new_tokens``. ``question_ids``, if given, are fed after the prompt is compressed."""
     device = next(model.parameters()).device
-    input_ids = input_ids.to(device)
     n = input_ids.shape[1]
     cache = CompressedCache(model.config.num_hidden_layers)
     start = time.perf_counter()
     with compress_after_prefill(model, method, cache):
-        logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(input_ids=input_ids.to(device), past_key_values=cache, use_cache=True,
+                       logits_to_keep=1).logits
+    if question_ids is not None:
+        q = question_ids.shape[1]
+        logits = model(input_ids=question_ids.to(device), position_ids=torch.arange(n, n + q, device=device)[None],
+                       past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        n += q
     kv_bytes = cache.nbytes()
     prefill_s = time.perf_counter() - start
 
     start = time.perf_counter()
+    stops = torch.tensor(sorted(stop_token_ids), dtype=torch.long, device=device)
     tokens: list[int] = []
-    next_id = int(logits[0, -1].argmax())
-    while next_id not in stop_token_ids and len(tokens) < max_new_tokens:
+    while len(tokens) < max_new_tokens:
+        last = logits[0, -1]
+        if len(tokens) < min_new_tokens and len(stops):
+            last = last.index_fill(0, stops, float("-inf"))
+        next_id = int(last.argmax())
+        if next_id in stop_token_ids:
+            break
         tokens.append(next_id)
         if len(tokens) == max_new_tokens:
             break
         position = torch.tensor([[n + len(tokens) - 1]], device=device)
         logits = model(input_ids=torch.tensor([[next_id]], device=device), position_ids=position,
                        past_key_values=cache, use_cache=True).logits
-        next_id = int(logits[0, -1].argmax())
     decode_s = time.perf_counter() - start
     return Generation(tokens, n, kv_bytes, full_kv_bytes(model.config, n, model.dtype), prefill_s, decode_s)

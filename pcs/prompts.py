@@ -1,15 +1,30 @@
 """Turn a benchmark's user text into model input ids, with or without the chat template."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 
-def encode_prompt(tokenizer, text: str, model_cfg, use_chat: bool = True) -> torch.Tensor:
-    """(1, n) input ids. The chat template adds its own special tokens; plain text gets the BOS."""
-    if model_cfg.chat_template and use_chat and tokenizer.chat_template:
+class PromptIds(NamedTuple):
+    context: torch.Tensor              # (1, n): prefilled, then compressed
+    question: torch.Tensor | None      # (1, q): fed on the compressed cache, or None
+
+
+def encode_prompt(tokenizer, text: str, model_cfg, use_chat: bool = True, question: str = "") -> PromptIds:
+    """The chat template adds its own special tokens; plain text gets the tokenizer's (the BOS).
+
+    With ``question`` (a tail of ``text``), everything from its last occurrence on, chat suffix
+    included, is tokenized separately and returned as ``question``. If the text no longer contains
+    it (middle truncation cut into it), the whole prompt is the context.
+    """
+    chat = bool(model_cfg.chat_template and use_chat and tokenizer.chat_template)
+    if chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                              add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False).input_ids
-    else:
-        ids = tokenizer(text).input_ids
-    return torch.tensor([ids])
+    split = text.rfind(question) if question else -1
+    if split <= 0:
+        return PromptIds(torch.tensor([tokenizer(text, add_special_tokens=not chat).input_ids]), None)
+    context = tokenizer(text[:split], add_special_tokens=not chat).input_ids
+    tail = tokenizer(text[split:], add_special_tokens=False).input_ids
+    return PromptIds(torch.tensor([context]), torch.tensor([tail]))

@@ -19,7 +19,6 @@ from .config import run_name, saved_config, selection_applies, validate
 from .eviction import build_method
 from .generate import greedy_generate
 from .models import load_model, stop_token_ids
-from .prompts import encode_prompt
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -27,7 +26,7 @@ def read_rows(path: Path) -> list[dict]:
     if not path.exists():
         return []
     rows = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8").splitlines():
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
@@ -81,19 +80,26 @@ def run(cfg: DictConfig) -> dict:
     if done:
         print(f"[pcs] resuming {run_dir}: {len(done)} of {len(samples)} samples already done")
     # Rewrite what was read so that a torn last line does not stay in the file.
-    with predictions_file.open("w") as out:
-        out.writelines(json.dumps(row) + "\n" for row in rows)
-        for sample in tqdm(todo, desc=run_name(cfg), disable=not cfg.progress, unit="sample"):
-            input_ids = encode_prompt(tokenizer, sample.prompt, cfg.model)
-            gen = greedy_generate(model, input_ids, method, sample.max_new_tokens, stops)
+    with predictions_file.open("w", encoding="utf-8") as out:
+        out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        speed = Throughput()
+        bar = tqdm(todo, desc=run_name(cfg), disable=not cfg.progress, unit="sample", dynamic_ncols=True)
+        for sample in bar:
+            prompt = benchmark.encode(sample, tokenizer, cfg.model)
+            sample_stops = stops | {tokenizer.encode(t, add_special_tokens=False)[-1] for t in sample.stop_texts}
+            gen = greedy_generate(model, prompt.context, method, sample.max_new_tokens, sample_stops,
+                                  question_ids=prompt.question, min_new_tokens=sample.min_new_tokens)
             prediction = tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-            row = {"id": sample.id, "prediction": prediction, "score": benchmark.score(sample, prediction),
-                   "prompt_tokens": gen.prompt_tokens, "new_tokens": len(gen.token_ids),
+            row = {"id": sample.id, "prediction": prediction, "score": benchmark.score(sample.meta, prediction),
+                   "prompt_tokens": gen.prompt_tokens,
+                   "question_tokens": 0 if prompt.question is None else prompt.question.shape[1],
+                   "new_tokens": len(gen.token_ids),
                    "kv_cache_bytes": gen.kv_cache_bytes, "kv_cache_bytes_full": gen.kv_cache_bytes_full,
                    "prefill_s": round(gen.prefill_s, 4), "decode_s": round(gen.decode_s, 4), **sample.meta}
-            out.write(json.dumps(row) + "\n")
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
             out.flush()
             rows.append(row)
+            bar.set_postfix_str(speed.add(gen), refresh=False)
 
     metrics = benchmark.metrics(rows)
     metrics.update({
@@ -107,6 +113,22 @@ def run(cfg: DictConfig) -> dict:
     write_json_atomic(metrics_file, metrics)
     print_summary(run_dir, metrics)
     return metrics
+
+
+class Throughput:
+    """Running prefill and decode speeds for the progress bar."""
+
+    def __init__(self):
+        self.prefill_tokens = self.decode_tokens = 0
+        self.prefill_s = self.decode_s = 0.0
+
+    def add(self, gen) -> str:
+        self.prefill_tokens += gen.prompt_tokens
+        self.decode_tokens += len(gen.token_ids)
+        self.prefill_s += gen.prefill_s
+        self.decode_s += gen.decode_s
+        return (f"prefill {self.prefill_tokens / max(self.prefill_s, 1e-9):.0f} tok/s, "
+                f"decode {self.decode_tokens / max(self.decode_s, 1e-9):.1f} tok/s")
 
 
 def print_summary(run_dir: Path, metrics: dict) -> None:

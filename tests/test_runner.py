@@ -29,7 +29,7 @@ def test_run_writes_the_documented_folder(tiny_model_dir, tmp_path):
     cfg = small_cfg(tiny_model_dir, tmp_path)
     metrics = run(cfg)
     d = folder(tmp_path, cfg)
-    assert d.name == "snapkv_perturbation_b64_context_lengths=[200,300]_depth_percents=[0,100]_max_new_tokens=3"
+    assert d.name == "snapkv_perturbation_b64_context_lengths=200+300_depth_percents=0+100_max_new_tokens=3"
     assert (d / "config.yaml").exists()
     rows = [json.loads(l) for l in (d / "predictions.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == ["len200_depth0", "len200_depth100", "len300_depth0", "len300_depth100"]

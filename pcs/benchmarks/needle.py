@@ -63,7 +63,7 @@ class Needle(Benchmark):
                     meta={"context_length": length, "depth_percent": depth}))
         return out
 
-    def score(self, sample: Sample, prediction: str) -> float:
+    def score(self, meta: dict, prediction: str) -> float:
         return 100.0 * self.scorer.score(self.cfg.needle, prediction)["rouge1"].recall
 
     def metrics(self, rows: list[dict]) -> dict:
