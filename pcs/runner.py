@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from .benchmarks import build_benchmark
-from .config import run_name, saved_config, selection_applies, validate
+from .config import ConfigError, run_name, saved_config, selection_applies, validate
 from .eviction import build_method
 from .generate import greedy_generate
 from .models import load_model, stop_token_ids
@@ -57,7 +57,10 @@ def run(cfg: DictConfig) -> dict:
     """Run (or resume, or skip) the configured cell; returns its metrics."""
     validate(cfg)
     benchmark = build_benchmark(cfg.benchmark)
-    benchmark.check()
+    try:
+        benchmark.check()
+    except (ValueError, FileNotFoundError) as err:   # missing data, a malformed line, a bad option
+        raise ConfigError(str(err)) from err
     run_dir = Path(cfg.results_dir) / run_name(cfg)
     metrics_file = run_dir / "metrics.json"
     if metrics_file.exists():

@@ -30,22 +30,25 @@ def method_for(name, selection, budget, **knobs):
     return build_method(cfg)
 
 
-def masked_reference_logits(model, input_ids, kept, n_steps, tokens):
-    """Dense cache, eager attention, evicted positions masked per layer and KV head."""
+def masked_reference_logits(model, input_ids, kept, n_steps, tokens, question=None):
+    """Dense cache, eager attention, evicted positions masked per layer and KV head.
+
+    The prompt is prefilled with plain causal attention; every later forward (the question, if
+    any, then one token per step) sees only the kept prompt entries and the tokens added since."""
     n = input_ids.shape[1]
     cfg = model.config
     group = cfg.num_attention_heads // cfg.num_key_value_heads
 
     def masked_eager(module, query, key, value, attention_mask, scaling=None, **kwargs):
         q_len, kv_len = query.shape[2], key.shape[2]
-        if q_len > 1:   # prefill: plain causal attention
-            allowed = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)[None].expand(query.shape[1], -1, -1)
-        else:
-            allowed = torch.zeros(query.shape[1], 1, kv_len, dtype=torch.bool)
-            allowed[:, :, n:] = True   # decoded tokens are never evicted
-            heads = kept.get(module.layer_idx)
+        causal = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
+        allowed = causal[None].repeat(query.shape[1], 1, 1)
+        heads = kept.get(module.layer_idx)
+        if kv_len > q_len and heads is not None:
             for h in range(query.shape[1]):
-                allowed[h, :, heads[h // group] if heads is not None else slice(0, n)] = True
+                held = torch.zeros(n, dtype=torch.bool)
+                held[heads[h // group]] = True
+                allowed[h, :, :n] &= held
         k = key.repeat_interleave(group, dim=1)
         v = value.repeat_interleave(group, dim=1)
         scores = (query @ k.transpose(-1, -2)) * scaling
@@ -56,23 +59,30 @@ def masked_reference_logits(model, input_ids, kept, n_steps, tokens):
     model.set_attn_implementation("masked_ref")
     try:
         cache = DynamicCache(config=cfg)
-        out = [model(input_ids=input_ids, past_key_values=cache).logits[0, -1]]
+        out = [model(input_ids=input_ids, past_key_values=cache).logits[0, -1:]]
+        if question is not None:
+            out.append(model(input_ids=question, past_key_values=cache).logits[0])
         for t in range(n_steps):
-            out.append(model(input_ids=torch.tensor([[tokens[t]]]), past_key_values=cache).logits[0, -1])
-        return torch.stack(out)
+            out.append(model(input_ids=torch.tensor([[tokens[t]]]), past_key_values=cache).logits[0, -1:])
+        return torch.cat(out)
     finally:
         model.set_attn_implementation("pcs")
 
 
-def compressed_logits(model, input_ids, method, tokens):
+def compressed_logits(model, input_ids, method, tokens, question=None):
     cache = CompressedCache(model.config.num_hidden_layers)
     n = input_ids.shape[1]
     with compress_after_prefill(model, method, cache):
-        out = [model(input_ids=input_ids, past_key_values=cache).logits[0, -1]]
+        out = [model(input_ids=input_ids, past_key_values=cache).logits[0, -1:]]
+    if question is not None:
+        q = question.shape[1]
+        out.append(model(input_ids=question, position_ids=torch.arange(n, n + q)[None],
+                         past_key_values=cache).logits[0])
+        n += q
     for t, tok in enumerate(tokens):
         out.append(model(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[n + t]]),
-                         past_key_values=cache).logits[0, -1])
-    return torch.stack(out), cache
+                         past_key_values=cache).logits[0, -1:])
+    return torch.cat(out), cache
 
 
 @pytest.mark.parametrize("name,selection", [("snapkv", "perturbation"), ("pyramidkv", "attention"),
@@ -91,6 +101,35 @@ def test_decoding_on_compressed_cache_equals_masked_full_attention(arch, name, s
     # Held entries per head: what was kept plus the decoded tokens.
     for l, layer in enumerate(cache.layers):
         assert layer.entries_per_head() == [len(k) + len(tokens) for k in spy.kept[l]]
+
+
+@pytest.mark.parametrize("name", ["snapkv", "adakv"])
+def test_question_fed_after_compression_sees_only_kept_entries(arch, name):
+    """benchmark.query_aware=false: the question (many tokens at once) attends causally among
+    itself and to the kept prompt entries only; decoding continues from there."""
+    model = tiny_model(arch)
+    torch.manual_seed(2)
+    input_ids, question = torch.randint(0, 256, (1, 80)), torch.randint(0, 256, (1, 7))
+    tokens = torch.randint(0, 256, (3,)).tolist()
+    spy = Spy(method_for(name, "perturbation", 32, window=8))
+    with torch.no_grad():
+        got, cache = compressed_logits(model, input_ids, spy, tokens, question)
+        want = masked_reference_logits(model, input_ids, spy.kept, len(tokens), tokens, question)
+    assert got.shape[0] == 1 + 7 + 3
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for l, layer in enumerate(cache.layers):
+        assert layer.entries_per_head() == [len(k) + 7 + len(tokens) for k in spy.kept[l]]
+
+
+def test_stops_cannot_end_generation_before_min_new_tokens():
+    model = tiny_model("llama")
+    input_ids = torch.randint(0, 256, (1, 30))
+    with torch.no_grad():
+        first = model(input_ids=input_ids).logits[0, -1]
+    best, runner_up = first.topk(2).indices.tolist()
+    method = method_for("full", "attention", 64)
+    assert greedy_generate(model, input_ids, method, 5, {best}).token_ids == []
+    assert greedy_generate(model, input_ids, method, 5, {best}, min_new_tokens=1).token_ids[0] == runner_up
 
 
 @pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "adakv"])

@@ -30,7 +30,9 @@ def test_every_option_composes_and_builds(group):
 def test_models_declare_dtype_length_chat_and_path():
     for option in GROUPS["model"]:
         m = compose_cfg(f"model={option}").model
-        assert m.dtype and m.max_length > 0 and isinstance(m.chat_template, bool) and "path" in m
+        assert m.dtype and 0 < m.max_length <= m.context_window and isinstance(m.chat_template, bool) and "path" in m
+    # LongBench truncation lengths: the official 31,500 for 32K models.
+    assert compose_cfg("model=mistral7b").model.max_length == compose_cfg("model=qwen25_32b").model.max_length == 31500
 
 
 def test_run_names_distinguish_cells_and_knobs():
@@ -40,3 +42,7 @@ def test_run_names_distinguish_cells_and_knobs():
     assert len(names) == 1 + 2 + 3 * 2 * 2
     assert run_name(compose_cfg("selection.alpha=0")) == "needle/smollm2/snapkv_perturbation_b128_alpha=0"
     assert "stage2_source=pooled" in run_name(compose_cfg("selection=perturbation_released"))
+    # Model knobs change results too; where data lives does not; lists are joined by "+".
+    assert run_name(compose_cfg("benchmark=longbench", "benchmark.tasks=[trec,lcc]", "model.max_length=1500",
+                                "benchmark.data_dir=/some/where")) == \
+        "longbench/smollm2/snapkv_perturbation_b128_max_length=1500_tasks=trec+lcc"

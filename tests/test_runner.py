@@ -83,7 +83,7 @@ def test_folder_with_another_config_is_refused(tiny_model_dir, tmp_path):
     ("budget=16", "budget=16"), ("budget=0", "budget=0"), ("budget=-5", "budget=-5"),
     ("selection.alpha=1.5", "selection.alpha=1.5"), ("selection.alpha=-0.1", "selection.alpha=-0.1"),
     ("model.path=/no/such/weights", "/no/such/weights"), ("method.pooling=median", "median"),
-    ("benchmark.context_lengths=[9000]", "9000"),
+    ("benchmark.context_lengths=[9000]", "9000"), ("model.max_length=9000", "model.max_length=9000"),
 ])
 def test_bad_values_fail_before_the_model_loads(tmp_path, monkeypatch, override, needle):
     monkeypatch.setattr(pcs.runner, "load_model", lambda *a: pytest.fail("model loaded before validation"))
