@@ -167,3 +167,32 @@ def test_embedded_model_runs_a_few_tasks_end_to_end_and_rescoring_agrees(data_di
     assert {k: metrics[k] for k in rescored} == rescored
     assert rescore_main([str(tmp_path / "results"), "--write"]) == 0
     assert json.loads((run_dir / "metrics.json").read_text()) == metrics
+
+
+def test_longbench_e_reads_its_files_and_scores_length_buckets(data_dir):
+    write_task(data_dir, "hotpotqa_e", [record(0, length=1000), record(1, length=5000), record(2, length=9000)])
+    benchmark, _ = bench(data_dir, "benchmark.longbench_e=true", tasks="[hotpotqa]")
+    samples = benchmark.samples()
+    assert [s.meta["length"] for s in samples] == [1000, 5000, 9000]
+    rows = [{**s.meta, "prediction": p} for s, p in zip(samples, ["Paris", "Lyon", "Paris"])]
+    assert benchmark.metrics(rows)["length_buckets"] == {"hotpotqa": {"0-4k": 100.0, "4-8k": 0.0, "8k+": 100.0}}
+
+
+def test_without_data_dir_the_official_zip_is_fetched_into_the_cache(tmp_path, monkeypatch):
+    """The hub route: data.zip (files under data/) unpacked flat into $PCS_CACHE_DIR/longbench."""
+    import zipfile
+    import huggingface_hub
+    archive = tmp_path / "data.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("data/trec.jsonl", json.dumps(record(0, all_classes=TREC_CLASSES, answers=["Number"])) + "\n")
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
+                        lambda repo, name, **kw: calls.append((repo, name, kw["repo_type"])) or str(archive))
+    monkeypatch.setenv("PCS_CACHE_DIR", str(tmp_path / "cache"))
+    benchmark = build_benchmark(compose_cfg("benchmark=longbench", "benchmark.tasks=[trec]").benchmark)
+    benchmark.check()
+    assert calls == [("THUDM/LongBench", "data.zip", "dataset")]
+    assert (tmp_path / "cache" / "longbench" / "trec.jsonl").exists()
+    assert [s.id for s in benchmark.samples()] == ["trec/id0"]
+    benchmark.check()                 # already there: no second download
+    assert len(calls) == 1
