@@ -36,10 +36,10 @@ def attention_modules(model) -> list[torch.nn.Module]:
 
 
 @contextmanager
-def compress_after_prefill(model, method, cache: CompressedCache):
-    """While active, each attention module compresses its layer of ``cache`` after a multi-token forward."""
+def after_prefill(model, cache: CompressedCache, window: int, on_layer):
+    """While active, ``on_layer(state, cache_layer)`` runs right after each attention module's
+    multi-token forward, with the layer's full keys and values and its last ``window`` queries."""
     modules = attention_modules(model)
-    window = getattr(method, "window", 0)
 
     def hook(module, args, kwargs, output):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
@@ -49,10 +49,7 @@ def compress_after_prefill(model, method, cache: CompressedCache):
         keys, values = layer.dense()
         queries = (window_queries(module, hidden, kwargs["position_embeddings"], window)
                    if window else keys.new_empty(0))
-        state = LayerState(module.layer_idx, len(modules), keys, values, queries, module.o_proj.weight)
-        kept = method.keep(state)
-        if kept is not None:
-            layer.compress(kept)
+        on_layer(LayerState(module.layer_idx, len(modules), keys, values, queries, module.o_proj.weight), layer)
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
     try:
@@ -60,3 +57,12 @@ def compress_after_prefill(model, method, cache: CompressedCache):
     finally:
         for handle in handles:
             handle.remove()
+
+
+def compress_after_prefill(model, method, cache: CompressedCache):
+    """While active, each attention module compresses its layer of ``cache`` after a multi-token forward."""
+    def compress(state: LayerState, layer) -> None:
+        kept = method.keep(state)
+        if kept is not None:
+            layer.compress(kept)
+    return after_prefill(model, cache, getattr(method, "window", 0), compress)

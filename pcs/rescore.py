@@ -33,7 +33,7 @@ def rescore(run_dir: Path, fuzzy_backend: str | None = None) -> tuple[list[dict]
     cfg = OmegaConf.load(run_dir / "config.yaml")
     if fuzzy_backend is not None:
         cfg.benchmark.fuzzy_backend = fuzzy_backend
-    benchmark = build_benchmark(cfg.benchmark)
+    benchmark = build_benchmark(cfg)
     rows = read_rows(run_dir / "predictions.jsonl")
     if not rows:
         raise ValueError(f"{run_dir} has no predictions yet")

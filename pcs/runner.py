@@ -14,10 +14,9 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from .benchmarks import build_benchmark
+from .benchmarks import RunContext, build_benchmark
 from .config import ConfigError, run_name, saved_config, selection_applies, validate
 from .eviction import build_method
-from .generate import greedy_generate
 from .models import load_model, stop_token_ids
 
 
@@ -56,7 +55,7 @@ def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> None:
 def run(cfg: DictConfig) -> dict:
     """Run (or resume, or skip) the configured cell; returns its metrics."""
     validate(cfg)
-    benchmark = build_benchmark(cfg.benchmark)
+    benchmark = build_benchmark(cfg)
     try:
         benchmark.check()
     except (ValueError, FileNotFoundError) as err:   # missing data, a malformed line, a bad option
@@ -86,23 +85,14 @@ def run(cfg: DictConfig) -> dict:
     with predictions_file.open("w", encoding="utf-8") as out:
         out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
         speed = Throughput()
+        ctx = RunContext(model, tokenizer, method, stops, cfg)
         bar = tqdm(todo, desc=run_name(cfg), disable=not cfg.progress, unit="sample", dynamic_ncols=True)
         for sample in bar:
-            prompt = benchmark.encode(sample, tokenizer, cfg.model)
-            sample_stops = stops | {tokenizer.encode(t, add_special_tokens=False)[-1] for t in sample.stop_texts}
-            gen = greedy_generate(model, prompt.context, method, sample.max_new_tokens, sample_stops,
-                                  question_ids=prompt.question, min_new_tokens=sample.min_new_tokens)
-            prediction = tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-            row = {"id": sample.id, "prediction": prediction, "score": benchmark.score(sample.meta, prediction),
-                   "prompt_tokens": gen.prompt_tokens,
-                   "question_tokens": 0 if prompt.question is None else prompt.question.shape[1],
-                   "new_tokens": len(gen.token_ids),
-                   "kv_cache_bytes": gen.kv_cache_bytes, "kv_cache_bytes_full": gen.kv_cache_bytes_full,
-                   "prefill_s": round(gen.prefill_s, 4), "decode_s": round(gen.decode_s, 4), **sample.meta}
+            row = {"id": sample.id, **benchmark.run_sample(sample, ctx), **sample.meta}
             out.write(json.dumps(row, ensure_ascii=False) + "\n")
             out.flush()
             rows.append(row)
-            bar.set_postfix_str(speed.add(gen), refresh=False)
+            bar.set_postfix_str(speed.add(row), refresh=False)
 
     metrics = benchmark.metrics(rows)
     metrics.update({
@@ -113,6 +103,7 @@ def run(cfg: DictConfig) -> dict:
         "device": str(next(model.parameters()).device),
         "torch": torch.__version__,
     })
+    benchmark.figures(rows, metrics, run_dir)
     write_json_atomic(metrics_file, metrics)
     print_summary(run_dir, metrics)
     return metrics
@@ -125,11 +116,11 @@ class Throughput:
         self.prefill_tokens = self.decode_tokens = 0
         self.prefill_s = self.decode_s = 0.0
 
-    def add(self, gen) -> str:
-        self.prefill_tokens += gen.prompt_tokens
-        self.decode_tokens += len(gen.token_ids)
-        self.prefill_s += gen.prefill_s
-        self.decode_s += gen.decode_s
+    def add(self, row: dict) -> str:
+        self.prefill_tokens += row["prompt_tokens"]
+        self.decode_tokens += row["new_tokens"]
+        self.prefill_s += row["prefill_s"]
+        self.decode_s += row["decode_s"]
         return (f"prefill {self.prefill_tokens / max(self.prefill_s, 1e-9):.0f} tok/s, "
                 f"decode {self.decode_tokens / max(self.decode_s, 1e-9):.1f} tok/s")
 

@@ -45,7 +45,7 @@ def tokenizer(embedded_dir):
 
 def bench(data_dir, *overrides, tasks="[hotpotqa,trec,samsum]"):
     cfg = compose_cfg("benchmark=longbench", f"benchmark.data_dir={data_dir}", f"benchmark.tasks={tasks}", *overrides)
-    benchmark = build_benchmark(cfg.benchmark)
+    benchmark = build_benchmark(cfg)
     benchmark.check()
     return benchmark, cfg
 
@@ -144,7 +144,7 @@ def test_data_errors_name_file_and_line_before_the_model_loads(data_dir, tmp_pat
 def test_bad_options_are_refused(data_dir, override, message):
     cfg = compose_cfg("benchmark=longbench", f"benchmark.data_dir={data_dir}", "benchmark.tasks=[musique]", override)
     with pytest.raises(ValueError, match=message):
-        build_benchmark(cfg.benchmark).check()
+        build_benchmark(cfg).check()
 
 
 @pytest.mark.slow
@@ -189,7 +189,7 @@ def test_without_data_dir_the_official_zip_is_fetched_into_the_cache(tmp_path, m
     monkeypatch.setattr(huggingface_hub, "hf_hub_download",
                         lambda repo, name, **kw: calls.append((repo, name, kw["repo_type"])) or str(archive))
     monkeypatch.setenv("PCS_CACHE_DIR", str(tmp_path / "cache"))
-    benchmark = build_benchmark(compose_cfg("benchmark=longbench", "benchmark.tasks=[trec]").benchmark)
+    benchmark = build_benchmark(compose_cfg("benchmark=longbench", "benchmark.tasks=[trec]"))
     benchmark.check()
     assert calls == [("THUDM/LongBench", "data.zip", "dataset")]
     assert (tmp_path / "cache" / "longbench" / "trec.jsonl").exists()

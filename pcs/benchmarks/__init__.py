@@ -1,5 +1,5 @@
-"""Benchmark registry: name -> class. Each takes its ``benchmark`` config group."""
-from .base import Benchmark, Sample
+"""Benchmark registry: name -> class. Each takes the run's config."""
+from .base import Benchmark, RunContext, Sample
 from .longbench import LongBench
 from .needle import Needle
 
@@ -7,7 +7,8 @@ BENCHMARKS = {"needle": Needle, "longbench": LongBench}
 
 
 def build_benchmark(cfg) -> Benchmark:
-    return BENCHMARKS[cfg.name](cfg)
+    """The benchmark of a run's whole config (``cfg.benchmark.name``)."""
+    return BENCHMARKS[cfg.benchmark.name](cfg)
 
 
-__all__ = ["BENCHMARKS", "Benchmark", "Sample", "build_benchmark"]
+__all__ = ["BENCHMARKS", "Benchmark", "RunContext", "Sample", "build_benchmark"]

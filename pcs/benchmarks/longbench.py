@@ -35,7 +35,7 @@ class LongBench(Benchmark):
     name = "longbench"
 
     def __init__(self, cfg):
-        self.cfg = cfg
+        super().__init__(cfg)
         self.records: dict[str, list[dict]] = {}
 
     @property

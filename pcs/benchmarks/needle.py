@@ -27,8 +27,8 @@ class Needle(Benchmark):
     name = "needle"
 
     def __init__(self, cfg):
-        self.cfg = cfg
-        self.haystack_dir = Path(cfg.haystack_dir) if cfg.get("haystack_dir") else None
+        super().__init__(cfg)
+        self.haystack_dir = Path(self.cfg.haystack_dir) if self.cfg.get("haystack_dir") else None
         self.scorer = rouge_scorer.RougeScorer(["rouge1"], use_stemmer=True)
 
     def essay_files(self) -> list[Path]:

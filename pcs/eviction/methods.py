@@ -75,7 +75,8 @@ class WindowEviction:
     selection: AttentionSelection | PerturbationSelection
     uses_selection = True
 
-    def keep(self, layer: LayerState):
+    def plan(self, layer: LayerState) -> tuple[WindowScores, torch.Tensor] | None:
+        """The layer's prefix scores and per-KV-head prefix budgets, or None if it stays whole."""
         n, w = layer.n_tokens, self.window
         if n <= self.budget:
             return None
@@ -86,10 +87,17 @@ class WindowEviction:
         ws = WindowScores(mean, pooled, group_mean(pooled, layer.keys.shape[0]),
                           layer.values[:, :m], layer.o_proj_weight)
         budgets = self.allocator(layer, ws.stage1)
-        if int(budgets.min()) >= m:
+        return None if int(budgets.min()) >= m else (ws, budgets)
+
+    def keep(self, layer: LayerState):
+        planned = self.plan(layer)
+        if planned is None:
             return None
-        window_idx = torch.arange(m, n, device=layer.keys.device)
-        return [torch.cat([prefix, window_idx]) for prefix in self.selection.select(budgets, ws)]
+        ws, budgets = planned
+        return [torch.cat([prefix, self.window_positions(layer)]) for prefix in self.selection.select(budgets, ws)]
+
+    def window_positions(self, layer: LayerState) -> torch.Tensor:
+        return torch.arange(layer.n_tokens - self.window, layer.n_tokens, device=layer.keys.device)
 
 
 def uniform_allocator(budget: int, window: int) -> Allocator:

@@ -66,12 +66,15 @@ class PerturbationSelection:
     def stage1_size(self, head_budget: int) -> int:
         return int(self.alpha * head_budget)
 
+    def stage1(self, budgets: torch.Tensor, ws: WindowScores) -> list[torch.Tensor]:
+        """Stage 1 of Algorithm 1: per KV head, the top ``floor(alpha * B_h)`` by pooled attention."""
+        return [topk_sorted(ws.stage1[h], self.stage1_size(int(budgets[h]))) for h in range(len(budgets))]
+
     def select(self, budgets: torch.Tensor, ws: WindowScores) -> list[torch.Tensor]:
         stage2 = self.stage2_scores(ws)
         kept = []
-        for h in range(len(budgets)):
+        for h, first in enumerate(self.stage1(budgets, ws)):
             b = int(budgets[h])
-            first = topk_sorted(ws.stage1[h], self.stage1_size(b))
             rest = stage2[h].clone()
             rest[first] = float("-inf")
             second = topk_sorted(rest, b - len(first))
