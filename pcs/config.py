@@ -66,8 +66,9 @@ def validate(cfg: DictConfig) -> None:
 
 
 def selection_applies(cfg: DictConfig) -> bool:
-    """Full cache and StreamingLLM choose no entries by score, so the selection rule is moot."""
-    return cfg.method.name not in ("full", "streamingllm")
+    """Full cache and StreamingLLM choose no entries by score, so the selection rule is moot; the
+    perturbation analysis compares the selections its own config lists."""
+    return cfg.method.name not in ("full", "streamingllm") and BENCHMARKS[cfg.benchmark.name].uses_selection
 
 
 def saved_config(cfg: DictConfig) -> str:
@@ -107,9 +108,12 @@ def group_overrides(cfg: DictConfig, group: str) -> list[str]:
 
 
 def run_name(cfg: DictConfig) -> str:
-    """``<benchmark>/<model>/<method>_<selection>_b<budget>[_knob=value...]``."""
+    """``<benchmark>/<model>/<method>_<selection>_b<budget>[_knob=value...]`` (no selection for a
+    benchmark that compares selections itself)."""
     if cfg.method.name == "full":
         leaf = "full"
+    elif not BENCHMARKS[cfg.benchmark.name].uses_selection:
+        leaf = f"{cfg.method.name}_b{cfg.budget}"
     else:
         selection = cfg.selection.name if selection_applies(cfg) else "none"
         leaf = f"{cfg.method.name}_{selection}_b{cfg.budget}"

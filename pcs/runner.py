@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from .benchmarks import RunContext, build_benchmark
-from .config import ConfigError, run_name, saved_config, selection_applies, validate
+from .config import ConfigError, run_name, saved_config, validate
 from .eviction import build_method
 from .models import load_model, stop_token_ids
 
@@ -67,12 +67,12 @@ def run(cfg: DictConfig) -> dict:
         print(f"[pcs] already finished: {run_dir} (score {metrics['score']:.2f}); nothing to do")
         return metrics
     prepare_run_dir(cfg, run_dir)
-    if not selection_applies(cfg):
+    method = build_method(cfg)
+    if not method.uses_selection:
         print(f"[pcs] method={cfg.method.name} keeps entries without scores: selection is not used")
 
     started = time.time()
     model, tokenizer = load_model(cfg.model)
-    method = build_method(cfg)
     stops = stop_token_ids(model, tokenizer, cfg.model.stop_tokens)
     samples = benchmark.samples(tokenizer)
     predictions_file = run_dir / "predictions.jsonl"

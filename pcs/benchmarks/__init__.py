@@ -2,8 +2,9 @@
 from .base import Benchmark, RunContext, Sample
 from .longbench import LongBench
 from .needle import Needle
+from .perturbation import Perturbation
 
-BENCHMARKS = {"needle": Needle, "longbench": LongBench}
+BENCHMARKS = {"needle": Needle, "longbench": LongBench, "perturbation": Perturbation}
 
 
 def build_benchmark(cfg) -> Benchmark:

@@ -34,6 +34,7 @@ class Benchmark:
     """Interface: ``check()`` fails fast before the model loads; ``samples()`` may need the tokenizer;
     ``run_sample`` turns one sample into its predictions.jsonl row (greedy generation by default)."""
     name: str
+    uses_selection = True           # False: the benchmark compares selections itself
 
     def __init__(self, cfg):
         self.run_cfg = cfg              # the whole config

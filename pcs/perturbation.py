@@ -1,0 +1,172 @@
+"""Output perturbation at the first decoding token (the paper's Section 5 and Appendices A and B).
+
+One prefill on the full cache records, for every layer, which entries each selection variant (and
+budget) would keep. The first decoding token is the full cache's greedy choice; then:
+
+- head-wise: on the full-cache decoding step (every layer fed the full-cache hidden states), each
+  query head's output is recomputed over the kept entries only; the perturbation is
+  ``||(o_full - o_kept) W^O_h||_1 = ||(A - A') V W^O_h||_1``, with ``W^O_h`` the head's input columns
+  of the output projection and ``A'`` the attention renormalised over the kept entries;
+- layer-wise: the decoding step really runs on each compressed cache (errors accumulate through the
+  layers); the perturbation of layer l is the L1 distance of its output hidden state to the full
+  cache's;
+- Assumption 1: the share of the first decoding token's attention (over the full cache) held by the
+  entries kept before stage 2, i.e. the stage-1 picks and the observation window.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import CompressedCache
+from .compression import after_prefill, attention_modules, window_queries
+from .eviction import LayerState
+
+Kept = list  # per layer: None (layer kept whole) or one LongTensor of positions per KV head
+
+
+@dataclass
+class Prefill:
+    n_tokens: int
+    first_token: int
+    keys: list[torch.Tensor]           # per layer, (H_kv, n, d): the full cache
+    values: list[torch.Tensor]
+    kept: dict[object, Kept]           # per variant key
+    stage1: Kept                       # the assumption variant's stage-1 picks plus the window
+    stage1_prefix: Kept                # its stage-1 picks alone
+    cache: CompressedCache = field(repr=False)
+
+
+@torch.inference_mode()
+def run_prefill(model, input_ids: torch.Tensor, methods: dict, assumption_method=None) -> Prefill:
+    """Full-cache prefill; every method of ``methods`` (key -> method) chooses its kept entries."""
+    n_layers = model.config.num_hidden_layers
+    kept = {key: [None] * n_layers for key in methods}
+    stage1, stage1_prefix = [None] * n_layers, [None] * n_layers
+    window = max(getattr(m, "window", 0) for m in methods.values())
+
+    def on_layer(state: LayerState, layer) -> None:
+        for key, method in methods.items():
+            kept[key][state.layer_idx] = method.keep(state)
+        planned = assumption_method.plan(state) if assumption_method is not None else None
+        if planned is not None:
+            ws, budgets = planned
+            first = assumption_method.selection.stage1(budgets, ws)
+            stage1_prefix[state.layer_idx] = first
+            stage1[state.layer_idx] = [torch.cat([f, assumption_method.window_positions(state)]) for f in first]
+
+    cache = CompressedCache(n_layers)
+    device = next(model.parameters()).device
+    with after_prefill(model, cache, window, on_layer):
+        logits = model(input_ids=input_ids.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    dense = [layer.dense() for layer in cache.layers]
+    return Prefill(input_ids.shape[1], int(logits[0, -1].argmax()), [k for k, _ in dense], [v for _, v in dense],
+                   kept, stage1, stage1_prefix, cache)
+
+
+def compressed_copy(prefill: Prefill, kept: Kept) -> CompressedCache:
+    """A cache holding, per layer and KV head, only the kept entries of the full prefill cache."""
+    cache = CompressedCache(len(prefill.keys))
+    for layer, keys, values, idx in zip(cache.layers, prefill.keys, prefill.values, kept):
+        layer.update(keys[None], values[None])
+        if idx is not None:
+            layer.compress(idx)
+    return cache
+
+
+@torch.inference_mode()
+def decode_step(model, cache: CompressedCache, token: int, position: int, on_attention=None):
+    """One decoding step; returns each layer's output hidden state (L, hidden) and the logits.
+    ``on_attention(module, hidden_states, position_embeddings)`` runs after each attention module."""
+    device = next(model.parameters()).device
+    outputs = []
+    handles = [layer.register_forward_hook(
+        lambda mod, args, out: outputs.append((out[0] if isinstance(out, tuple) else out)[0, -1].float()))
+        for layer in model.model.layers]
+    if on_attention is not None:
+        handles += [m.register_forward_hook(
+            lambda mod, args, kwargs, out: on_attention(mod, kwargs["hidden_states"], kwargs["position_embeddings"]),
+            with_kwargs=True) for m in attention_modules(model)]
+    try:
+        logits = model(input_ids=torch.tensor([[token]], device=device), position_ids=torch.tensor([[position]], device=device),
+                       past_key_values=cache, use_cache=True).logits[0, -1]
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.stack(outputs), logits
+
+
+def head_perturbation(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, o_proj_weight: torch.Tensor,
+                      scaling: float, kept: list[torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query head: ``||(o_full - o_kept) W^O_h||_1`` and the full attention (H_q, N).
+
+    ``query`` (H_q, d) of the new token; ``keys``/``values`` (H_kv, N, d) end with the new token, which
+    every cache holds. ``kept`` lists the kept prompt positions per KV head (None: all)."""
+    n_q, d = query.shape
+    n_kv, n_all = keys.shape[0], keys.shape[1]
+    group = n_q // n_kv
+    q, k, v = query.float(), keys.float(), values.float()
+    attention = torch.empty(n_q, n_all, device=q.device)
+    diff = torch.zeros(n_q, d, device=q.device)
+    new = torch.tensor([n_all - 1], device=q.device)
+    for g in range(n_kv):
+        rows = slice(g * group, (g + 1) * group)
+        logits = (q[rows] @ k[g].T) * scaling                        # (group, N)
+        attention[rows] = logits.softmax(-1)
+        if kept is not None:
+            idx = torch.cat([kept[g].to(q.device), new])
+            partial = logits[:, idx].softmax(-1) @ v[g, idx]
+            diff[rows] = attention[rows] @ v[g] - partial
+    w = o_proj_weight.float().view(o_proj_weight.shape[0], n_q, d)     # (hidden, H_q, d)
+    return torch.einsum("hd,ohd->ho", diff, w).abs().sum(-1), attention
+
+
+def attention_mass(attention: torch.Tensor, positions: list[torch.Tensor] | None) -> torch.Tensor:
+    """Per query head, the attention held by its KV head's ``positions`` (NaN if the layer was kept whole)."""
+    if positions is None:
+        return torch.full((attention.shape[0],), float("nan"))
+    group = attention.shape[0] // len(positions)
+    return torch.stack([attention[h, positions[h // group].to(attention.device)].sum()
+                        for h in range(attention.shape[0])]).cpu()
+
+
+@dataclass
+class Measurement:
+    headwise: dict         # key -> (L, H_q) perturbation
+    layerwise: dict        # key -> (L,) L1 distance of each layer's output hidden state
+    next_tokens: dict      # key -> greedy token after the first one, on the compressed cache
+    next_token_full: int   # the same on the full cache
+    assumption1: torch.Tensor          # (L, H_q) mass of stage-1 picks plus window
+    assumption1_prefix: torch.Tensor   # (L, H_q) mass of stage-1 picks alone
+
+
+@torch.inference_mode()
+def measure(model, prefill: Prefill, headwise_keys: list, layerwise_keys: list) -> Measurement:
+    """Head-wise perturbation for ``headwise_keys``, layer-wise for ``layerwise_keys`` (variant keys)."""
+    n = prefill.n_tokens
+    layerwise, next_tokens = {}, {}
+    for key in layerwise_keys:   # compressed caches first, so the full cache is extended only once, last
+        hidden, logits = decode_step(model, compressed_copy(prefill, prefill.kept[key]), prefill.first_token, n)
+        layerwise[key], next_tokens[key] = hidden, int(logits.argmax())
+    headwise = {key: [] for key in headwise_keys}
+    mass, mass_prefix = [], []
+
+    def on_attention(module, hidden_states, position_embeddings):
+        l = module.layer_idx
+        keys, values = prefill.cache.layers[l].dense()
+        query = window_queries(module, hidden_states, position_embeddings, 1)[:, 0]
+        attention = None
+        for key in headwise_keys:
+            perturbation, attention = head_perturbation(query, keys, values, module.o_proj.weight, module.scaling,
+                                                        prefill.kept[key][l])
+            headwise[key].append(perturbation.cpu())
+        if attention is None:
+            attention = head_perturbation(query, keys, values, module.o_proj.weight, module.scaling, None)[1]
+        mass.append(attention_mass(attention, prefill.stage1[l]))
+        mass_prefix.append(attention_mass(attention, prefill.stage1_prefix[l]))
+
+    full_hidden, full_logits = decode_step(model, prefill.cache, prefill.first_token, n, on_attention)
+    return Measurement({k: torch.stack(v) for k, v in headwise.items()},
+                       {k: (h - full_hidden).abs().sum(-1).cpu() for k, h in layerwise.items()},
+                       next_tokens, int(full_logits.argmax()), torch.stack(mass), torch.stack(mass_prefix))

@@ -1,0 +1,1 @@
+"""Reports from run folders: tables and figures."""
