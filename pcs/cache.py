@@ -27,6 +27,7 @@ class CompressibleLayer(CacheLayerMixin):
         self.head_keys: list[torch.Tensor] | None = None    # ragged storage, once compressed
         self.head_values: list[torch.Tensor] | None = None
         self.n_positions = 0   # tokens seen, i.e. the next position id (not the number held)
+        self.recent_queries: torch.Tensor | None = None   # (H_q, <=w, d), kept for recompression
 
     def lazy_initialization(self, key_states, value_states):
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -55,8 +56,12 @@ class CompressibleLayer(CacheLayerMixin):
         return self.keys, self.values
 
     def compress(self, kept: list[torch.Tensor]) -> None:
-        """Keep, for KV head h, the positions ``kept[h]``; everything else is released."""
-        keys, values = self.dense()
+        """Keep, for KV head h, the entries at ``kept[h]`` (indices into what the head holds now);
+        everything else is released. Works on a dense layer and again on a compressed one."""
+        if self.is_ragged:
+            keys, values = self.head_keys, self.head_values
+        else:
+            keys, values = self.dense()
         self.head_keys = [keys[h].index_select(0, idx).contiguous() for h, idx in enumerate(kept)]
         self.head_values = [values[h].index_select(0, idx).contiguous() for h, idx in enumerate(kept)]
         self.keys = self.values = None
@@ -66,6 +71,17 @@ class CompressibleLayer(CacheLayerMixin):
         if self.is_ragged:
             raise RuntimeError("layer is already compressed")
         return self.keys[0], self.values[0]
+
+    def left_padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(H_kv, n_max, d) keys and values with shorter heads padded with zeros at the front, and
+        each head's padding length. Every head's most recent entries line up at the end."""
+        if not self.is_ragged:
+            keys, values = self.dense()
+            return keys, values, torch.zeros(keys.shape[0], dtype=torch.long, device=keys.device)
+        n_max = max(k.shape[0] for k in self.head_keys)
+        pad = torch.tensor([n_max - k.shape[0] for k in self.head_keys], device=self.head_keys[0].device)
+        stack = lambda ts: torch.stack([F.pad(t, (0, 0, n_max - t.shape[0], 0)) for t in ts])
+        return stack(self.head_keys), stack(self.head_values), pad
 
     def entries_per_head(self) -> list[int]:
         if self.is_ragged:

@@ -8,6 +8,7 @@ does not expose them, and asks the method which entries each KV head keeps.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
@@ -62,7 +63,61 @@ def after_prefill(model, cache: CompressedCache, window: int, on_layer):
 def compress_after_prefill(model, method, cache: CompressedCache):
     """While active, each attention module compresses its layer of ``cache`` after a multi-token forward."""
     def compress(state: LayerState, layer) -> None:
+        layer.recent_queries = state.window_queries    # the window, should decoding recompress later
         kept = method.keep(state)
         if kept is not None:
             layer.compress(kept)
     return after_prefill(model, cache, getattr(method, "window", 0), compress)
+
+
+@dataclass
+class CompressionStats:
+    max_kv_entries: int = 0                               # most entries any head held after a forward
+    compressed_at: set = field(default_factory=set)      # positions at which some layer recompressed
+
+    @property
+    def n_compressions(self) -> int:
+        return len(self.compressed_at)
+
+
+def recompress(layer, method, layer_idx: int, n_layers: int, o_proj_weight: torch.Tensor) -> bool:
+    """Compress a layer again with ``method``, its newest queries as the observation window.
+    Returns whether anything was evicted."""
+    keys, values, pad = layer.left_padded()
+    state = LayerState(layer_idx, n_layers, keys, values, layer.recent_queries, o_proj_weight, pad)
+    kept = method.keep(state)
+    if kept is None:
+        return False
+    layer.compress([idx - p for idx, p in zip(kept, pad.tolist())])
+    return True
+
+
+@contextmanager
+def recompress_when_full(model, method, cache: CompressedCache, trigger: int | None, stats: CompressionStats):
+    """Decoding-time compression: after every forward while active, each layer remembers its newest
+    ``window`` queries and, once one of its heads holds more than ``trigger`` entries, is compressed
+    again by ``method`` to its budget, the newest queries being the observation window. So no head
+    ever holds more than ``trigger + 1`` entries. Heads of different lengths (AdaKV) are scored
+    together, padded at the front so that their newest entries line up. ``trigger=None`` only counts."""
+    modules = attention_modules(model)
+    window = getattr(method, "window", 0) if trigger is not None else 0
+
+    def hook(module, args, kwargs, output):
+        layer = cache.layers[module.layer_idx]
+        if window:
+            hidden = kwargs["hidden_states"]
+            new = window_queries(module, hidden, kwargs["position_embeddings"], min(window, hidden.shape[1]))
+            old = layer.recent_queries
+            layer.recent_queries = new if old is None or old.numel() == 0 else torch.cat([old, new], dim=1)[:, -window:]
+        held = max(layer.entries_per_head())
+        stats.max_kv_entries = max(stats.max_kv_entries, held)
+        if trigger is not None and held > trigger and recompress(layer, method, module.layer_idx, len(modules),
+                                                                 module.o_proj.weight):
+            stats.compressed_at.add(layer.n_positions)
+
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
+    try:
+        yield stats
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -44,6 +44,10 @@ def validate(cfg: DictConfig) -> None:
     if window is not None and not 0 < window <= budget:
         raise ConfigError(f"budget={budget} cannot hold the observation window method.window={window}; "
                           f"use budget >= {window} or a smaller window")
+    trigger = cfg.compress.trigger
+    if trigger is not None and (not isinstance(trigger, int) or isinstance(trigger, bool) or trigger <= budget):
+        raise ConfigError(f"compress.trigger={trigger!r} must be an integer above budget={budget} "
+                          f"(or null for no decoding-time compression)")
     sinks = cfg.method.get("sinks")
     if sinks is not None and not 0 <= sinks <= budget:
         raise ConfigError(f"budget={budget} cannot hold method.sinks={sinks} attention sinks")
@@ -119,6 +123,8 @@ def run_name(cfg: DictConfig) -> str:
         leaf = f"{cfg.method.name}_{selection}_b{cfg.budget}"
     groups = ["model", "method", "benchmark"] + (["selection"] if selection_applies(cfg) else [])
     knobs = [kv for g in groups for kv in group_overrides(cfg, g)]
+    if cfg.compress.trigger is not None:
+        knobs.append(f"trigger={cfg.compress.trigger}")
     if knobs:
         leaf += "_" + "_".join(knobs)
     return f"{cfg.benchmark.name}/{cfg.model.name}/{leaf}"

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import CompressedCache
-from .compression import compress_after_prefill
+from .compression import CompressionStats, compress_after_prefill, recompress_when_full
 
 
 @dataclass
@@ -18,6 +18,8 @@ class Generation:
     kv_cache_bytes_full: int   # what the uncompressed cache of the prompt would hold
     prefill_s: float
     decode_s: float
+    max_kv_entries: int = 0    # most entries any KV head held after prefill compression and later
+    n_compressions: int = 0    # decoding-time recompressions (steps at which some layer recompressed)
 
 
 def full_kv_bytes(config, n_tokens: int, dtype: torch.dtype) -> int:
@@ -29,9 +31,11 @@ def full_kv_bytes(config, n_tokens: int, dtype: torch.dtype) -> int:
 
 @torch.inference_mode()
 def greedy_generate(model, input_ids: torch.Tensor, method, max_new_tokens: int, stop_token_ids: set[int],
-                    question_ids: torch.Tensor | None = None, min_new_tokens: int = 0) -> Generation:
+                    question_ids: torch.Tensor | None = None, min_new_tokens: int = 0,
+                    trigger: int | None = None) -> Generation:
     """Greedy decoding; stops at any of ``stop_token_ids`` (not included in the output), never
-    before ``min_new_tokens``. ``question_ids``, if given, are fed after the prompt is compressed."""
+    before ``min_new_tokens``. ``question_ids``, if given, are fed after the prompt is compressed.
+    With ``trigger``, a layer is compressed again whenever one of its heads exceeds it."""
     device = next(model.parameters()).device
     n = input_ids.shape[1]
     cache = CompressedCache(model.config.num_hidden_layers)
@@ -39,15 +43,25 @@ def greedy_generate(model, input_ids: torch.Tensor, method, max_new_tokens: int,
     with compress_after_prefill(model, method, cache):
         logits = model(input_ids=input_ids.to(device), past_key_values=cache, use_cache=True,
                        logits_to_keep=1).logits
-    if question_ids is not None:
-        q = question_ids.shape[1]
-        logits = model(input_ids=question_ids.to(device), position_ids=torch.arange(n, n + q, device=device)[None],
-                       past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-        n += q
-    kv_bytes = cache.nbytes()
-    prefill_s = time.perf_counter() - start
+    stats = CompressionStats(max_kv_entries=max(max(h) for h in cache.entries_per_head()))
+    with recompress_when_full(model, method, cache, trigger, stats):
+        if question_ids is not None:
+            q = question_ids.shape[1]
+            logits = model(input_ids=question_ids.to(device), position_ids=torch.arange(n, n + q, device=device)[None],
+                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            n += q
+        kv_bytes = cache.nbytes()
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        tokens = decode(model, cache, logits, n, max_new_tokens, stop_token_ids, min_new_tokens)
+    decode_s = time.perf_counter() - start
+    return Generation(tokens, n, kv_bytes, full_kv_bytes(model.config, n, model.dtype), prefill_s, decode_s,
+                      stats.max_kv_entries, stats.n_compressions)
 
-    start = time.perf_counter()
+
+def decode(model, cache, logits, n: int, max_new_tokens: int, stop_token_ids: set[int], min_new_tokens: int) -> list[int]:
+    """Greedy tokens after a prompt of ``n`` tokens whose last logits are ``logits``."""
+    device = logits.device
     stops = torch.tensor(sorted(stop_token_ids), dtype=torch.long, device=device)
     tokens: list[int] = []
     while len(tokens) < max_new_tokens:
@@ -63,5 +77,4 @@ def greedy_generate(model, input_ids: torch.Tensor, method, max_new_tokens: int,
         position = torch.tensor([[n + len(tokens) - 1]], device=device)
         logits = model(input_ids=torch.tensor([[next_id]], device=device), position_ids=position,
                        past_key_values=cache, use_cache=True).logits
-    decode_s = time.perf_counter() - start
-    return Generation(tokens, n, kv_bytes, full_kv_bytes(model.config, n, model.dtype), prefill_s, decode_s)
+    return tokens

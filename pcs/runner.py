@@ -99,6 +99,8 @@ def run(cfg: DictConfig) -> dict:
         "n_samples": len(rows),
         "kv_cache_bytes": sum(r["kv_cache_bytes"] for r in rows),
         "kv_cache_bytes_full": sum(r["kv_cache_bytes_full"] for r in rows),
+        **({"max_kv_entries": max(r["max_kv_entries"] for r in rows),
+            "n_compressions": sum(r["n_compressions"] for r in rows)} if "max_kv_entries" in rows[0] else {}),
         "wall_time_s": round(time.time() - started, 2),
         "device": str(next(model.parameters()).device),
         "torch": torch.__version__,

@@ -56,13 +56,15 @@ class Benchmark:
         prompt = self.encode(sample, tokenizer, ctx.cfg.model)
         stops = ctx.stop_token_ids | {tokenizer.encode(t, add_special_tokens=False)[-1] for t in sample.stop_texts}
         gen = greedy_generate(ctx.model, prompt.context, ctx.method, sample.max_new_tokens, stops,
-                              question_ids=prompt.question, min_new_tokens=sample.min_new_tokens)
+                              question_ids=prompt.question, min_new_tokens=sample.min_new_tokens,
+                              trigger=ctx.cfg.compress.trigger)
         prediction = tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         return {"prediction": prediction, "score": self.score(sample.meta, prediction),
                 "prompt_tokens": gen.prompt_tokens,
                 "question_tokens": 0 if prompt.question is None else prompt.question.shape[1],
                 "new_tokens": len(gen.token_ids),
                 "kv_cache_bytes": gen.kv_cache_bytes, "kv_cache_bytes_full": gen.kv_cache_bytes_full,
+                "max_kv_entries": gen.max_kv_entries, "n_compressions": gen.n_compressions,
                 "prefill_s": round(gen.prefill_s, 4), "decode_s": round(gen.decode_s, 4)}
 
     def score(self, meta: dict, prediction: str) -> float:

@@ -26,6 +26,7 @@ class LayerState:
     values: torch.Tensor          # (H_kv, n, d)
     window_queries: torch.Tensor  # (H_q, w, d), the last w queries, rotary applied
     o_proj_weight: torch.Tensor   # (hidden, H_q * d)
+    pad: torch.Tensor | None = None   # (H_kv,) leading padding entries per head (decode-time recompression)
 
     @property
     def n_tokens(self) -> int:
@@ -81,12 +82,20 @@ class WindowEviction:
         if n <= self.budget:
             return None
         m = n - w
-        attn = window_attention(layer.window_queries, layer.keys)      # (H_q, w, n)
+        valid = None
+        if layer.pad is not None:
+            valid = torch.arange(n, device=layer.keys.device)[None, :] >= layer.pad[:, None]   # (H_kv, n)
+        attn = window_attention(layer.window_queries, layer.keys, valid)  # (H_q, w, n)
         mean = attn[:, :, :m].mean(dim=1)                                # (H_q, m)
         pooled = pool_scores(mean, self.kernel, self.pooling)
         ws = WindowScores(mean, pooled, group_mean(pooled, layer.keys.shape[0]),
                           layer.values[:, :m], layer.o_proj_weight)
+        if valid is not None:
+            ws.valid = valid[:, :m]
+            ws.stage1 = ws.stage1.masked_fill(~ws.valid, float("-inf"))
         budgets = self.allocator(layer, ws.stage1)
+        if valid is not None:
+            budgets = torch.minimum(budgets, ws.valid.sum(dim=1).to(budgets.device))
         return None if int(budgets.min()) >= m else (ws, budgets)
 
     def keep(self, layer: LayerState):

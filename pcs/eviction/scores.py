@@ -11,10 +11,12 @@ import torch
 import torch.nn.functional as F
 
 
-def window_attention(window_queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def window_attention(window_queries: torch.Tensor, keys: torch.Tensor,
+                     key_valid: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of the last ``w`` queries over all ``n`` keys, causal inside the window.
 
     Returns (H_q, w, n) in float32. This is line 3 of the paper's Algorithm 2 before the mean.
+    ``key_valid`` (H_kv, n) marks real entries when heads are padded to a common length.
     """
     n_q_heads, w, d = window_queries.shape
     n_kv_heads, n, _ = keys.shape
@@ -24,6 +26,8 @@ def window_attention(window_queries: torch.Tensor, keys: torch.Tensor) -> torch.
     # Window query j sits at position n - w + j and may not see keys after it.
     future = torch.ones(w, w, dtype=torch.bool, device=keys.device).triu(1)
     logits[:, :, n - w:].masked_fill_(future, float("-inf"))
+    if key_valid is not None:
+        logits.masked_fill_(~key_valid.repeat_interleave(group, dim=0)[:, None, :], float("-inf"))
     return logits.softmax(dim=-1)
 
 

@@ -21,6 +21,7 @@ class WindowScores:
     stage1: torch.Tensor            # (H_kv, m) group mean of the pooled attention
     prefix_values: torch.Tensor     # (H_kv, m, d)
     o_proj_weight: torch.Tensor     # (hidden, H_q * d)
+    valid: torch.Tensor | None = None   # (H_kv, m) real entries, when heads are padded
 
 
 def topk_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -60,8 +61,10 @@ class PerturbationSelection:
         norms = projected_value_norms(ws.prefix_values, ws.o_proj_weight)   # (H_q, m)
         n_kv_heads = ws.stage1.shape[0]
         if self.gqa == "mean_of_products":
-            return group_mean(attention * norms, n_kv_heads)
-        return group_mean(attention, n_kv_heads) * group_mean(norms, n_kv_heads)
+            scores = group_mean(attention * norms, n_kv_heads)
+        else:
+            scores = group_mean(attention, n_kv_heads) * group_mean(norms, n_kv_heads)
+        return scores if ws.valid is None else scores.masked_fill(~ws.valid, float("-inf"))
 
     def stage1_size(self, head_budget: int) -> int:
         return int(self.alpha * head_budget)
