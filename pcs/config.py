@@ -77,11 +77,14 @@ def selection_applies(cfg: DictConfig) -> bool:
 
 def saved_config(cfg: DictConfig) -> str:
     """The resolved config as written to ``config.yaml``, without what cannot change the results:
-    where results go, the progress bar, and the budget or selection of methods that ignore them.
+    where results go, the progress bar, how outputs are judged, and the budget or selection of
+    methods that ignore them.
     Two requests for the same run folder must produce the same text."""
     data = OmegaConf.to_container(cfg, resolve=True)
     for key in ("results_dir", "progress"):
         data.pop(key, None)
+    for key in BENCHMARKS[cfg.benchmark.name].annotation_keys:   # judging settings: see pcs.annotate
+        data["benchmark"].pop(key, None)
     if not selection_applies(cfg):
         data.pop("selection", None)
     if cfg.method.name == "full":
@@ -89,8 +92,9 @@ def saved_config(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(data))
 
 
-# Where files live and which device runs: not part of what a run measures, so not in its name.
-NOT_IN_NAME = {"name", "path", "cache_dir", "device", "device_map", "data_dir", "haystack_dir"}
+# Where files live and which device runs: not part of what a run measures, so not in its name
+# (config.yaml keeps them).
+NOT_IN_NAME = {"name", "path", "cache_dir", "device", "device_map", "data_dir", "data_file", "haystack_dir"}
 
 
 def knob_text(value) -> str:
@@ -107,8 +111,9 @@ def group_overrides(cfg: DictConfig, group: str) -> list[str]:
         return []
     default = OmegaConf.to_container(OmegaConf.load(default_file))
     current = OmegaConf.to_container(node, resolve=True)
+    skip = NOT_IN_NAME | set(BENCHMARKS[cfg.benchmark.name].annotation_keys if group == "benchmark" else ())
     return [f"{k}={knob_text(current[k])}" for k in sorted(current)
-            if k not in NOT_IN_NAME and k in default and current[k] != default[k]]
+            if k not in skip and k in default and current[k] != default[k]]
 
 
 def run_name(cfg: DictConfig) -> str:

@@ -64,7 +64,7 @@ def run(cfg: DictConfig) -> dict:
     metrics_file = run_dir / "metrics.json"
     if metrics_file.exists():
         metrics = json.loads(metrics_file.read_text())
-        print(f"[pcs] already finished: {run_dir} (score {metrics['score']:.2f}); nothing to do")
+        print(f"[pcs] already finished: {run_dir} (score {score_text(metrics['score'])}); nothing to do")
         return metrics
     prepare_run_dir(cfg, run_dir)
     method = build_method(cfg)
@@ -105,7 +105,7 @@ def run(cfg: DictConfig) -> dict:
         "device": str(next(model.parameters()).device),
         "torch": torch.__version__,
     })
-    benchmark.figures(rows, metrics, run_dir)
+    benchmark.finish(rows, metrics, run_dir)
     write_json_atomic(metrics_file, metrics)
     print_summary(run_dir, metrics)
     return metrics
@@ -127,9 +127,13 @@ class Throughput:
                 f"decode {self.decode_tokens / max(self.decode_s, 1e-9):.1f} tok/s")
 
 
+def score_text(score) -> str:
+    return "not scored yet" if score is None else f"{score:.2f}"
+
+
 def print_summary(run_dir: Path, metrics: dict) -> None:
     kept, full = metrics["kv_cache_bytes"], metrics["kv_cache_bytes_full"]
     print(f"\n[pcs] {run_dir}\n"
-          f"  score      {metrics['score']:.2f}  ({metrics['n_samples']} samples)\n"
+          f"  score      {score_text(metrics['score'])}  ({metrics['n_samples']} samples)\n"
           f"  KV memory  {kept / 2**20:.1f} MiB kept of {full / 2**20:.1f} MiB full ({100 * kept / full:.1f} %)\n"
           f"  time       {metrics['wall_time_s']:.1f} s")

@@ -1,6 +1,10 @@
 """Shared fixtures: composed configs, random-weight tiny models of the supported architectures."""
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")   # tests never reach the hub (read when huggingface_hub loads)
+
 from pathlib import Path
 
 import pytest

@@ -35,6 +35,7 @@ class Benchmark:
     ``run_sample`` turns one sample into its predictions.jsonl row (greedy generation by default)."""
     name: str
     uses_selection = True           # False: the benchmark compares selections itself
+    annotation_keys: tuple[str, ...] = ()   # benchmark knobs that judge outputs without changing them
 
     def __init__(self, cfg):
         self.run_cfg = cfg              # the whole config
@@ -75,5 +76,6 @@ class Benchmark:
         """Headline ``score`` and details from the predictions.jsonl rows."""
         raise NotImplementedError
 
-    def figures(self, rows: list[dict], metrics: dict, run_dir: Path) -> None:
-        """Write the benchmark's plots next to ``metrics.json`` (none by default)."""
+    def finish(self, rows: list[dict], metrics: dict, run_dir: Path) -> None:
+        """Once every sample is done, before ``metrics.json`` is written: write extra files next to
+        it (plots, outputs in another tool's format) and add what they yield to ``metrics``."""

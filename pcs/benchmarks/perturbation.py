@@ -142,7 +142,7 @@ class Perturbation(Benchmark):
         from .perturbation_metrics import summarize
         return summarize(rows, self.labels, self.budgets, self.run_cfg.budget)
 
-    def figures(self, rows: list[dict], metrics: dict, run_dir: Path) -> None:
+    def finish(self, rows: list[dict], metrics: dict, run_dir: Path) -> None:
         from ..report.perturbation_figures import write_figures
         write_figures(rows, metrics, run_dir)
 
