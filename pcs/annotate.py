@@ -101,8 +101,9 @@ def annotate_run(run_dir: Path, bench_cfg) -> dict:
                    f"`python -m pcs.annotate {run_dir}`")
         print(f"[pcs] {message}")
         return {"annotation_error": message}
-    outputs = json.loads((Path(run_dir) / "model_outputs.json").read_text(encoding="utf-8"))
-    folder = Path(run_dir) / "annotations" / judge.name
+    run_dir = Path(run_dir).resolve()   # alpaca_eval reads relative config paths from its own folder
+    outputs = json.loads((run_dir / "model_outputs.json").read_text(encoding="utf-8"))
+    folder = run_dir / "annotations" / judge.name
     try:
         from alpaca_eval import evaluate
         from alpaca_eval.metrics import get_length_controlled_winrate

@@ -42,10 +42,11 @@ def key(monkeypatch):
     monkeypatch.setenv("PCS_STUB_KEY", "sk-stub")
 
 
-def test_win_rate_from_outputs_through_alpaca_eval(tmp_path):
+def test_win_rate_from_outputs_through_alpaca_eval(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)        # a relative run folder, as `python -m pcs.annotate results/...` gives
     with StubJudge() as judge:
         write_outputs(tmp_path / "run")
-        result = annotate_run(tmp_path / "run", bench_cfg(tmp_path, judge).benchmark)
+        result = annotate_run("run", bench_cfg(tmp_path, judge).benchmark)
     assert result["annotation_error"] is None
     assert result["win_rate"] == pytest.approx(expected_win_rate()) == pytest.approx(63.3333, abs=1e-3)
     assert result["score"] == result["win_rate"]
