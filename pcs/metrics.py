@@ -20,12 +20,15 @@ import re
 import string
 import subprocess
 import sys
+import warnings
 from collections import Counter
 
-import jieba
 import numpy as np
 from rouge import Rouge
 
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)   # jieba imports the deprecated pkg_resources
+    import jieba
 jieba.setLogLevel(logging.WARNING)
 
 FIRST_LINE_TASKS = ("trec", "triviaqa", "samsum", "lsht")

@@ -1,0 +1,101 @@
+"""Tidy score rows from a results folder (any depth of run folders) or from a CSV.
+
+One row per (table, model, method, selection, budget, domain): ``domain`` is a LongBench domain or
+``average`` (the run's ``score``: the 16-task mean for LongBench, the grid mean for the needle test).
+Run folders are grouped into tables by benchmark, method and any non-default knob, so runs that
+differ in more than selection and budget never share a column; full-cache runs join every table of
+their benchmark and model knobs.
+"""
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+import pandas as pd
+from omegaconf import OmegaConf
+
+from ..config import group_overrides
+
+COLUMNS = ["table", "benchmark", "model", "method", "selection", "budget", "domain", "score", "run_dir", "variant"]
+NO_SELECTION = ("full", "streamingllm")
+
+
+def paper_tables() -> pd.DataFrame:
+    """The paper's LongBench numbers (Tables 1, 2, 3, 5, 6, 8), shipped with the project."""
+    return read_csv(resources.files("pcs") / "data" / "paper_longbench_tables.csv")
+
+
+def read_csv(path) -> pd.DataFrame:
+    df = pd.read_csv(path)
+    missing = {"model", "method", "selection", "budget", "score"} - set(df.columns)
+    if missing:
+        raise ValueError(f"{path}: missing columns {sorted(missing)}")
+    df = df.copy()
+    if "domain" not in df:
+        df["domain"] = "average"
+    if "table" not in df:
+        df["table"] = df["method"].where(df["method"] != "full", None)
+    df["benchmark"] = df.get("benchmark", "longbench")
+    df["run_dir"] = None
+    df["variant"] = ""
+    return expand_full_rows(df[COLUMNS])
+
+
+def expand_full_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """Full-cache rows without a table join every table of their benchmark, model and knobs."""
+    loose = df[df["table"].isna()]
+    placed = [df[df["table"].notna()]]
+    for _, row in loose.iterrows():
+        same = df[(df["model"] == row["model"]) & (df["benchmark"] == row["benchmark"])
+                  & (df["variant"] == row["variant"]) & df["table"].notna()]
+        placed += [pd.DataFrame([{**row.to_dict(), "table": t}]) for t in same["table"].unique()]
+    return pd.concat(placed, ignore_index=True)
+
+
+def selection_label(cfg) -> str:
+    if cfg.method.name in NO_SELECTION or "selection" not in cfg:
+        return "none"
+    knobs = group_overrides(cfg, "selection")
+    return "_".join([cfg.selection.name] + knobs)
+
+
+def run_rows(run_dir: Path) -> list[dict]:
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    if metrics.get("score") is None:
+        return []   # not scored yet (e.g. AlpacaEval before judging)
+    base = [kv for g in ("model", "benchmark") for kv in group_overrides(cfg, g)]
+    if cfg.get("compress", {}).get("trigger") is not None:
+        base.append(f"trigger={cfg.compress.trigger}")
+    method_knobs = group_overrides(cfg, "method")
+    table = "_".join([cfg.benchmark.name, cfg.method.name] + method_knobs + base)
+    common = {"table": None if cfg.method.name == "full" else table, "benchmark": cfg.benchmark.name,
+              "model": cfg.model.name, "method": cfg.method.name, "selection": selection_label(cfg),
+              "budget": None if cfg.method.name == "full" else cfg.budget, "run_dir": str(run_dir),
+              "variant": "_".join(base)}
+    rows = [{**common, "domain": domain, "score": value} for domain, value in metrics.get("domains", {}).items()]
+    return rows + [{**common, "domain": "average", "score": metrics["score"]}]
+
+
+def run_folders(path: Path, benchmark: str | None = None) -> list[Path]:
+    """Finished run folders under ``path`` (optionally of one benchmark)."""
+    found = []
+    for metrics in sorted(Path(path).rglob("metrics.json")):
+        folder = metrics.parent
+        if (folder / "config.yaml").exists():
+            if benchmark is None or OmegaConf.load(folder / "config.yaml").benchmark.name == benchmark:
+                found.append(folder)
+    return found
+
+
+def collect(path) -> pd.DataFrame:
+    """Score rows of a results folder or a tidy CSV (see the module docstring)."""
+    path = Path(path)
+    if path.is_file():
+        return read_csv(path)
+    rows = [row for folder in run_folders(path) if OmegaConf.load(folder / "config.yaml").benchmark.name != "perturbation"
+            for row in run_rows(folder)]
+    if not rows:
+        raise FileNotFoundError(f"no finished, scored run folder under {path}")
+    return expand_full_rows(pd.DataFrame(rows)[COLUMNS])

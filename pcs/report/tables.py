@@ -1,0 +1,139 @@
+"""Tables shaped like the paper's LongBench tables: rows = task domains and their average, columns =
+full cache, then per budget one column per selection (without, then with perturbation selection);
+one block per model. Written as Markdown, CSV and LaTeX (booktabs); the best of each budget's
+selections is bold. With a paper frame, each measured cell also shows the paper's value and the
+difference.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+DOMAINS = ["single_doc_qa", "multi_doc_qa", "summarization", "few_shot", "synthetic", "code", "average"]
+DOMAIN_NAMES = {"single_doc_qa": "Single-Doc QA", "multi_doc_qa": "Multi-Doc QA", "summarization": "Summarization",
+                "few_shot": "Few-shot", "synthetic": "Synthetic", "code": "Code", "average": "Average"}
+SELECTION_ORDER = ["none", "attention", "perturbation_alpha0", "perturbation"]
+SELECTION_NAMES = {"attention": "w/o", "perturbation": "w/", "perturbation_alpha0": "alpha=0", "none": ""}
+
+
+def selection_key(label: str):
+    return (SELECTION_ORDER.index(label) if label in SELECTION_ORDER else len(SELECTION_ORDER), label)
+
+
+def columns_of(df: pd.DataFrame) -> list[tuple]:
+    """("full", None) first, then (budget, selection) in budget order, baseline before candidate."""
+    cols = [("full", None)] if (df["method"] == "full").any() else []
+    compressed = df[df["method"] != "full"][["budget", "selection"]].drop_duplicates()
+    return cols + sorted(((int(b), s) for b, s in compressed.itertuples(index=False)),
+                         key=lambda c: (c[0], selection_key(c[1])))
+
+
+def cell_value(df: pd.DataFrame, model: str, domain: str, col: tuple):
+    if col[0] == "full":
+        hit = df[(df["model"] == model) & (df["method"] == "full") & (df["domain"] == domain)]
+    else:
+        hit = df[(df["model"] == model) & (df["method"] != "full") & (df["budget"] == col[0])
+                 & (df["selection"] == col[1]) & (df["domain"] == domain)]
+    return None if hit.empty else float(hit["score"].iloc[0])
+
+
+def block(df: pd.DataFrame, model: str, paper: pd.DataFrame | None = None) -> list[dict]:
+    """Rows of one model's block: domain, then per column the value, its paper value, and bold."""
+    cols = columns_of(df)
+    domains = [d for d in DOMAINS if (df["domain"] == d).any()] + \
+              sorted(set(df["domain"]) - set(DOMAINS))
+    method = next(m for m in df["method"].unique() if m != "full") if (df["method"] != "full").any() else "full"
+    rows = []
+    for domain in domains:
+        cells = {}
+        for col in cols:
+            value = cell_value(df, model, domain, col)
+            ref = None
+            if paper is not None:
+                ref = cell_value(paper[paper["method"].isin([method, "full"])], model, domain, col)
+            cells[col] = {"value": value, "paper": ref, "bold": False}
+        for budget in {c[0] for c in cols if c[0] != "full"}:
+            group = [c for c in cols if c[0] == budget and cells[c]["value"] is not None]
+            if len(group) >= 2:
+                best = max(cells[c]["value"] for c in group)
+                for c in group:
+                    cells[c]["bold"] = cells[c]["value"] == best
+        rows.append({"domain": domain, "cells": cells})
+    return rows
+
+
+def header(col: tuple) -> str:
+    if col[0] == "full":
+        return "Full"
+    name = SELECTION_NAMES.get(col[1], col[1])
+    return f"{col[0]} {name}".strip()
+
+
+def fmt(cell: dict, bold: tuple[str, str], with_paper: bool) -> str:
+    if cell["value"] is None:
+        return "-"
+    text = f"{cell['value']:.2f}"
+    if cell["bold"]:
+        text = f"{bold[0]}{text}{bold[1]}"
+    if with_paper and cell["paper"] is not None:
+        text += f" ({cell['paper']:.2f}, {cell['value'] - cell['paper']:+.2f})"
+    return text
+
+
+def markdown(name: str, blocks: dict[str, list[dict]], with_paper: bool) -> str:
+    lines = [f"## {name}", ""]
+    if with_paper:
+        lines += ["Each cell: measured (paper, measured - paper).", ""]
+    for model, rows in blocks.items():
+        cols = list(rows[0]["cells"])
+        lines += [f"**{model}**", "", "| Domain | " + " | ".join(header(c) for c in cols) + " |",
+                  "|---|" + "---:|" * len(cols)]
+        lines += ["| " + DOMAIN_NAMES.get(r["domain"], r["domain"]) + " | "
+                  + " | ".join(fmt(r["cells"][c], ("**", "**"), with_paper) for c in cols) + " |" for r in rows]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def latex(name: str, blocks: dict[str, list[dict]], with_paper: bool) -> str:
+    first = next(iter(blocks.values()))
+    cols = list(first[0]["cells"])
+    out = [f"% {name}", r"\begin{tabular}{l" + "r" * len(cols) + "}", r"\toprule",
+           "Domain & " + " & ".join(header(c).replace("_", r"\_") for c in cols) + r" \\"]
+    for model, rows in blocks.items():
+        out += [r"\midrule", rf"\multicolumn{{{len(cols) + 1}}}{{l}}{{\textit{{{model.replace('_', chr(92) + '_')}}}}} \\",
+                r"\midrule"]
+        for r in rows:
+            cells = [fmt(r["cells"].get(c, {"value": None}), (r"\textbf{", "}"), with_paper) for c in cols]
+            out.append(DOMAIN_NAMES.get(r["domain"], r["domain"]).replace("_", r"\_") + " & " + " & ".join(cells) + r" \\")
+    out += [r"\bottomrule", r"\end{tabular}", ""]
+    return "\n".join(out)
+
+
+def wide_csv(blocks: dict[str, list[dict]]) -> pd.DataFrame:
+    records = []
+    for model, rows in blocks.items():
+        for r in rows:
+            rec = {"model": model, "domain": r["domain"]}
+            for col, cell in r["cells"].items():
+                key = "full" if col[0] == "full" else f"b{col[0]}_{col[1]}"
+                rec[key] = cell["value"]
+                if cell["paper"] is not None:
+                    rec[f"{key}_paper"] = cell["paper"]
+            records.append(rec)
+    return pd.DataFrame(records)
+
+
+def write_tables(df: pd.DataFrame, out: Path, paper: pd.DataFrame | None = None) -> dict[str, str]:
+    """One Markdown, CSV and LaTeX file per table under ``out/tables``; returns table -> Markdown."""
+    folder = Path(out) / "tables"
+    folder.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for name, group in df.groupby("table", sort=True):
+        blocks = {model: block(group, model, paper) for model in group["model"].unique()}
+        text = markdown(name, blocks, paper is not None)
+        (folder / f"{name}.md").write_text(text + "\n")
+        (folder / f"{name}.tex").write_text(latex(name, blocks, paper is not None))
+        wide_csv(blocks).to_csv(folder / f"{name}.csv", index=False)
+        written[name] = text
+    return written

@@ -1,0 +1,118 @@
+"""Reports: interpolation against hand-worked cases and the paper's own Figure 1 numbers, tables and
+plots from a synthetic results folder written here."""
+import json
+
+import pandas as pd
+import pytest
+
+from pcs.config import run_name, saved_config
+from pcs.report.__main__ import build, main
+from pcs.report.collect import collect, paper_tables
+from pcs.report.savings import ABOVE, BELOW, equivalent_budget, savings
+
+from conftest import compose_cfg
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("budgets,scores,target,expected", [
+    ([128, 256], [40.0, 44.0], 42.0, (192.0, "")),              # halfway
+    ([128, 256], [40.0, 44.0], 44.0, (256.0, "")),              # on a measured point
+    ([256, 128], [44.0, 40.0], 41.0, (160.0, "")),              # order of the input does not matter
+    ([128, 256], [40.0, 44.0], 45.0, (None, ABOVE)),            # no extrapolation
+    ([128, 256], [40.0, 44.0], 39.0, (None, BELOW)),
+    ([64, 128, 256], [40.0, 46.0, 44.0], 45.0, (64 + 5 / 6 * 64, "")),   # non-monotone: first crossing
+    ([64, 128, 256], [40.0, 46.0, 44.0], 44.0, (64 + 4 / 6 * 64, "")),
+])
+def test_equivalent_budget(budgets, scores, target, expected):
+    value, note = equivalent_budget(budgets, scores, target)
+    assert note == expected[1]
+    assert value == pytest.approx(expected[0]) if expected[0] is not None else value is None
+
+
+def test_paper_numbers_give_the_papers_figure_1_savings():
+    saved = savings(paper_tables())
+    llama_snapkv = saved[(saved.model == "llama31") & (saved.method == "snapkv")].set_index("budget")
+    assert llama_snapkv.loc[[128, 256, 512], "savings_pct"].tolist() == [18.7, 23.0, 27.5]
+    assert llama_snapkv.loc[1024, "note"] == ABOVE
+    six = saved[(saved.budget == 512) & saved.model.isin(["llama31", "mistral7b"])]
+    assert len(six) == 6
+    assert (six.savings_pct.min(), six.savings_pct.max()) == (21.1, 34.0)
+
+
+def write_run(results, *overrides, metrics):
+    cfg = compose_cfg(*overrides)
+    folder = results / run_name(cfg)
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(saved_config(cfg))
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+    return folder
+
+
+def longbench_metrics(average):
+    domains = {"single_doc_qa": average + 1, "multi_doc_qa": average - 1, "summarization": average,
+               "few_shot": average + 2, "synthetic": average - 2, "code": average}
+    return {"score": average, "domains": domains}
+
+
+def needle_metrics(score):
+    return {"score": score, "grid": {"1000": {"0": score, "50": 100.0}, "2000": {"0": 0.0, "50": score}}}
+
+
+@pytest.fixture
+def results(tmp_path):
+    root = tmp_path / "results"
+    lb = ["benchmark=longbench", "model=llama31"]
+    write_run(root, *lb, "method=full", metrics=longbench_metrics(49.0))
+    for budget, att, pert in ((128, 42.0, 43.0), (256, 45.0, 45.5), (512, 47.0, 47.5)):
+        write_run(root, *lb, "method=snapkv", "selection=attention", f"budget={budget}", metrics=longbench_metrics(att))
+        write_run(root, *lb, "method=snapkv", "selection=perturbation", f"budget={budget}",
+                  metrics=longbench_metrics(pert))
+    write_run(root, "method=full", metrics=needle_metrics(90.0))
+    for method in ("snapkv", "adakv"):
+        for selection, score in (("attention", 50.0), ("perturbation", 60.0)):
+            write_run(root, f"method={method}", f"selection={selection}", "budget=64", metrics=needle_metrics(score))
+    pert = write_run(root, "benchmark=perturbation", "budget=128", metrics={
+        "score": 90.0, "heads_improved": 9, "n_heads": 10, "mean_relative_reduction": 0.2, "assumption1_frac": 0.7})
+    (pert / "layerwise.png").write_bytes(PNG + b"stub")
+    return root
+
+
+def test_report_from_a_results_folder(results, tmp_path):
+    out = tmp_path / "report"
+    assert main(["--results", str(results), "--out", str(out)]) == 0
+    table = (out / "tables" / "longbench_snapkv.md").read_text()
+    assert "| Average | 49.00 | 42.00 | **43.00** | 45.00 | **45.50** | 47.00 | **47.50** |" in table
+    assert "| Single-Doc QA | 50.00 |" in table
+    assert r"\toprule" in (out / "tables" / "longbench_snapkv.tex").read_text()
+    wide = pd.read_csv(out / "tables" / "longbench_snapkv.csv")
+    assert list(wide.columns[:5]) == ["model", "domain", "full", "b128_attention", "b128_perturbation"]
+    needle = (out / "tables" / "needle_snapkv.md").read_text()
+    assert "| Average | 90.00 | 50.00 | **60.00** |" in needle
+    saved = pd.read_csv(out / "savings.csv")
+    assert list(saved.columns[:6]) == ["model", "method", "budget", "score", "equivalent_budget", "savings_pct"]
+    row = saved[(saved.method == "snapkv") & (saved.table == "longbench_snapkv") & (saved.budget == 128)].iloc[0]
+    assert row.equivalent_budget == pytest.approx(128 + 1 / 3 * 128, abs=0.05)    # 43 on the 42 -> 45 segment
+    for png in ["savings.png", "needle/smollm2_grid_b64.png", "needle/smollm2__snapkv_attention_b64.png",
+                "perturbation/smollm2__snapkv_b128/layerwise.png"]:
+        assert (out / png).read_bytes()[:8] == PNG, png
+    report = (out / "report.md").read_text()
+    assert "## Budget savings" in report and "## Needle-in-a-Haystack" in report and "9 / 10" in report
+
+
+def test_paper_values_stand_beside_measured_cells(results, tmp_path):
+    build(results, tmp_path / "report", with_paper=True)
+    table = (tmp_path / "report" / "tables" / "longbench_snapkv.md").read_text()
+    # Paper, Table 1, Llama-3.1-8B, SnapKV: full 49.20, b128 w/o 42.70 and w/ 43.25 on average.
+    assert "| Average | 49.00 (49.20, -0.20) | 42.00 (42.70, -0.70) | **43.00** (43.25, -0.25) |" in table
+
+
+def test_collect_reads_the_tidy_csv():
+    df = collect(paper_tables_path())
+    assert set(df.table) == {"table1", "table2", "table3", "table5", "table6", "table8"}
+    assert {"attention", "perturbation", "perturbation_alpha0", "none"} == set(df.selection)
+
+
+def paper_tables_path():
+    from importlib import resources
+    return resources.files("pcs") / "data" / "paper_longbench_tables.csv"
