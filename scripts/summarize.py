@@ -17,7 +17,8 @@ def main(root: str = "results") -> None:
         m = json.loads(path.read_text())
         kept = 100 * m["kv_cache_bytes"] / m["kv_cache_bytes_full"]
         name = str(path.parent.relative_to(root))
-        print(f"{name:<60} {m['score']:>7.2f} {m['n_samples']:>4} {kept:>7.1f}% {m['wall_time_s']:>8.1f}")
+        score = "-" if m["score"] is None else f"{m['score']:.2f}"   # e.g. AlpacaEval not judged yet
+        print(f"{name:<60} {score:>7} {m['n_samples']:>4} {kept:>7.1f}% {m['wall_time_s']:>8.1f}")
 
 
 if __name__ == "__main__":
