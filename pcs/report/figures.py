@@ -92,8 +92,8 @@ def needle_comparison(run_dirs: list[Path], path: Path, budget: int) -> Path | N
     selections = sorted({s for _, s in cells}, key=lambda s: (s != "attention", s))
     if not methods or len(selections) < 2:
         return None
-    fig, axes = plt.subplots(len(methods), len(selections), figsize=(4.6 * len(selections), 3.4 * len(methods)),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(methods), len(selections), figsize=(4.6 * len(selections), 3.6 * len(methods)),
+                             squeeze=False, constrained_layout=True)
     image = None
     for i, method in enumerate(methods):
         for j, selection in enumerate(selections):
