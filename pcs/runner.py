@@ -5,12 +5,13 @@ finished sample), ``metrics.json`` (written atomically, last: its presence means
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
@@ -18,6 +19,7 @@ from .benchmarks import RunContext, build_benchmark
 from .config import ConfigError, run_name, saved_config, validate
 from .eviction import build_method
 from .models import load_model, stop_token_ids
+from .provenance import now, provenance
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -61,17 +63,49 @@ def run(cfg: DictConfig) -> dict:
     except (ValueError, FileNotFoundError) as err:   # missing data, a malformed line, a bad option
         raise ConfigError(str(err)) from err
     run_dir = Path(cfg.results_dir) / run_name(cfg)
-    metrics_file = run_dir / "metrics.json"
-    if metrics_file.exists():
-        metrics = json.loads(metrics_file.read_text())
-        print(f"[pcs] already finished: {run_dir} (score {score_text(metrics['score'])}); nothing to do")
-        return metrics
+    if (run_dir / "metrics.json").exists():
+        return finished(run_dir)
     prepare_run_dir(cfg, run_dir)
+    with exclusive(run_dir) as mine:
+        if not mine:   # e.g. a sweep whose cells differ only in knobs this method ignores
+            print(f"[pcs] another job is running {run_dir}; leaving it to that job")
+            return None
+        if (run_dir / "metrics.json").exists():
+            return finished(run_dir)
+        return execute(cfg, benchmark, run_dir)
+
+
+def finished(run_dir: Path) -> dict:
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    print(f"[pcs] already finished: {run_dir} (score {score_text(metrics['score'])}); nothing to do")
+    return metrics
+
+
+@contextmanager
+def exclusive(run_dir: Path):
+    """Yields whether this process holds the run folder's lock (a POSIX lock, so it also works
+    between cluster nodes sharing the folder over NFS); the lock goes when the process ends."""
+    handle = open(run_dir / ".lock", "w")
+    try:
+        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        fcntl.lockf(handle, fcntl.LOCK_UN)
+        handle.close()
+
+
+def execute(cfg: DictConfig, benchmark, run_dir: Path) -> dict:
+    """Generate the missing samples of a locked run folder, then its metrics."""
     method = build_method(cfg)
     if not method.uses_selection:
         print(f"[pcs] method={cfg.method.name} keeps entries without scores: selection is not used")
 
-    started = time.time()
+    started, started_at = time.time(), now()
     model, tokenizer = load_model(cfg.model)
     stops = stop_token_ids(model, tokenizer, cfg.model.stop_tokens)
     samples = benchmark.samples(tokenizer)
@@ -102,11 +136,10 @@ def run(cfg: DictConfig) -> dict:
         **({"max_kv_entries": max(r["max_kv_entries"] for r in rows),
             "n_compressions": sum(r["n_compressions"] for r in rows)} if "max_kv_entries" in rows[0] else {}),
         "wall_time_s": round(time.time() - started, 2),
-        "device": str(next(model.parameters()).device),
-        "torch": torch.__version__,
+        **provenance(cfg, model, started_at, benchmark.data_hashes()),
     })
     benchmark.finish(rows, metrics, run_dir)
-    write_json_atomic(metrics_file, metrics)
+    write_json_atomic(run_dir / "metrics.json", metrics)
     print_summary(run_dir, metrics)
     return metrics
 

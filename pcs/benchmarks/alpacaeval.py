@@ -80,6 +80,9 @@ class AlpacaEval(Benchmark):
             for problem in annotation_problems(self.cfg):
                 print(f"[pcs] warning: {problem}")
 
+    def data_hashes(self) -> dict:
+        return {"instructions": sha256_text(json.dumps([r["instruction"] for r in self.records]))}
+
     def samples(self, tokenizer=None) -> list[Sample]:
         return [Sample(id=str(i), prompt=r["instruction"], max_new_tokens=self.cfg.max_new_tokens,
                        meta={"instruction": r["instruction"], "dataset": r.get("dataset", "")})

@@ -76,6 +76,10 @@ class Benchmark:
         """Headline ``score`` and details from the predictions.jsonl rows."""
         raise NotImplementedError
 
+    def data_hashes(self) -> dict:
+        """SHA-256 of the data and prompt templates the samples come from (provenance)."""
+        return {}
+
     def finish(self, rows: list[dict], metrics: dict, run_dir: Path) -> None:
         """Once every sample is done, before ``metrics.json`` is written: write extra files next to
         it (plots, outputs in another tool's format) and add what they yield to ``metrics``."""

@@ -12,10 +12,12 @@ after compression, so the cache is chosen without seeing the question.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ..metrics import FUZZY_BACKENDS, longbench_e_scores, longbench_score, sample_score
 from ..prompts import PromptIds, encode_prompt
+from ..provenance import sha256_files, sha256_text
 from .base import Benchmark, Sample
 from .longbench_data import (ALL_TASKS, DOMAINS, E_TASKS, MAX_NEW_TOKENS, NO_CHAT_TASKS, PROMPTS,
                              default_data_dir, fetch, read_task, task_file)
@@ -103,6 +105,11 @@ class LongBench(Benchmark):
     def encode(self, sample: Sample, tokenizer, model_cfg) -> PromptIds:
         prompt = truncate_middle(tokenizer, sample.prompt, model_cfg.max_length)
         return encode_prompt(tokenizer, prompt, model_cfg, use_chat=sample.chat, question=sample.question)
+
+    def data_hashes(self) -> dict:
+        folder = self.data_dir()
+        hashes = {task: sha256_files([task_file(folder, task, self.cfg.longbench_e)]) for task in self.tasks}
+        return {**hashes, "prompts": sha256_text(json.dumps(PROMPTS, sort_keys=True))}
 
     def score(self, meta: dict, prediction: str) -> float:
         return 100 * sample_score(meta["task"], prediction, meta["answers"], meta["all_classes"],

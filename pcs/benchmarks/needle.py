@@ -13,6 +13,7 @@ from pathlib import Path
 from rouge_score import rouge_scorer
 
 from ..models import package_dir
+from ..provenance import sha256_files, sha256_text
 from .base import Benchmark, Sample
 
 PROMPT = ("{context}\n\n"
@@ -62,6 +63,9 @@ class Needle(Benchmark):
                     max_new_tokens=self.cfg.max_new_tokens,
                     meta={"context_length": length, "depth_percent": depth}))
         return out
+
+    def data_hashes(self) -> dict:
+        return {"haystack": sha256_files(self.essay_files()), "prompt": sha256_text(PROMPT)}
 
     def score(self, meta: dict, prediction: str) -> float:
         return 100.0 * self.scorer.score(self.cfg.needle, prediction)["rouge1"].recall

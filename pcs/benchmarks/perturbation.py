@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from ..eviction import build_method
 from ..generate import full_kv_bytes
 from ..perturbation import compressed_copy, measure, run_prefill
+from ..provenance import sha256_files, sha256_text
 from .base import Benchmark, RunContext, Sample
 from .longbench import LongBench
 from .needle import PROMPT, default_haystack_dir, insert_needle, repeat_to
@@ -82,6 +83,11 @@ class Perturbation(Benchmark):
             self.longbench.check()
         elif self.cfg.source != "needle":
             raise ValueError(f"benchmark.source={self.cfg.source!r}; choose needle or longbench")
+
+    def data_hashes(self) -> dict:
+        if self.longbench is not None:
+            return self.longbench.data_hashes()
+        return {"haystack": sha256_files(default_haystack_dir().glob("*.txt")), "prompt": sha256_text(PROMPT)}
 
     def samples(self, tokenizer) -> list[Sample]:
         if self.longbench is not None:
