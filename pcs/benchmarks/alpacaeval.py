@@ -13,6 +13,7 @@ import json
 import os
 from pathlib import Path
 
+from ..provenance import sha256_text
 from .base import Benchmark, Sample
 
 HUB_REPO = "tatsu-lab/alpaca_eval"
