@@ -81,7 +81,7 @@ def saved_config(cfg: DictConfig) -> str:
     methods that ignore them.
     Two requests for the same run folder must produce the same text."""
     data = OmegaConf.to_container(cfg, resolve=True)
-    for key in ("results_dir", "progress"):
+    for key in ("results_dir", "progress", "logger"):   # where results go and who watches
         data.pop(key, None)
     for key in BENCHMARKS[cfg.benchmark.name].annotation_keys:   # judging settings: see pcs.annotate
         data["benchmark"].pop(key, None)

@@ -20,6 +20,7 @@ from .config import ConfigError, run_name, saved_config, validate
 from .eviction import build_method
 from .models import load_model, stop_token_ids
 from .provenance import now, provenance
+from .tracking import log_run
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -140,6 +141,7 @@ def execute(cfg: DictConfig, benchmark, run_dir: Path) -> dict:
     })
     benchmark.finish(rows, metrics, run_dir)
     write_json_atomic(run_dir / "metrics.json", metrics)
+    log_run(cfg, run_name(cfg), run_dir, metrics)
     print_summary(run_dir, metrics)
     return metrics
 

@@ -1,0 +1,178 @@
+"""Cluster-scale use: experiment files, launchers, resume after a kill, one job per folder, W&B
+offline files read back, provenance."""
+import glob
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import pcs.runner
+from pcs.config import validate
+from pcs.runner import exclusive, run, run_name
+
+from conftest import CONF, compose_cfg
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPERIMENTS = sorted(p.stem for p in (Path(CONF) / "experiment").glob("*.yaml"))
+TIMING = ("prefill_s", "decode_s")
+
+
+def hydra_cfg(*overrides):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_resolves_and_sweeps(experiment):
+    OmegaConf.to_container(compose_cfg(f"experiment={experiment}"), resolve=True)
+    params = hydra_cfg(f"experiment={experiment}").hydra.sweeper.params
+    assert params, f"{experiment} sweeps nothing"
+    for key, values in params.items():   # every value of the sweep composes and validates
+        for value in str(values).split(","):
+            validate(compose_cfg(f"experiment={experiment}", f"{key}={value}"))
+
+
+def test_paper_experiments_cover_the_tables():
+    assert {"table1", "table2", "table3", "table5", "table6", "table7", "table8", "needle128k", "perturbation",
+            "smoke"} <= set(EXPERIMENTS)
+    assert str(hydra_cfg("experiment=table2").hydra.sweeper.params.method) == "full,pyramidkv"
+    assert hydra_cfg("experiment=table7").compress.trigger == 256
+
+
+def test_slurm_launcher_asks_one_gpu_per_job_and_more_for_big_models():
+    launcher = hydra_cfg("experiment=table1", "hydra/launcher=slurm").hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher") and launcher.gpus_per_node == 1
+    assert hydra_cfg("experiment=table8", "hydra/launcher=slurm").hydra.launcher.gpus_per_node == 2
+
+
+def test_show_a_sweeps_launcher_config_from_the_command_line():
+    proc = subprocess.run([sys.executable, "run.py", "-m", "experiment=table1", "hydra/launcher=slurm", "--cfg", "hydra"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    launcher = OmegaConf.create(proc.stdout).hydra.launcher
+    assert launcher.gpus_per_node == 1 and launcher._target_.endswith("SlurmLauncher")
+
+
+@pytest.mark.slow
+def test_smoke_multirun_through_submitit_local(embedded_dir, tmp_path):
+    proc = subprocess.run([sys.executable, "run.py", "-m", "experiment=smoke", "hydra/launcher=submitit_local",
+                           f"results_dir={tmp_path / 'results'}", f"hydra.sweep.dir={tmp_path / 'multirun'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    finished = sorted(p.parent.name for p in (tmp_path / "results").rglob("metrics.json"))
+    assert finished == ["snapkv_perturbation_b128_context_lengths=600_depth_percents=50_max_new_tokens=24",
+                        "snapkv_perturbation_b64_context_lengths=600_depth_percents=50_max_new_tokens=24"]
+
+
+def needle_args(model_dir, results):
+    return [f"model.path={model_dir}", f"results_dir={results}", "progress=false", "budget=64",
+            "benchmark.context_lengths=[200,300,400]", "benchmark.depth_percents=[0,50,100]",
+            "benchmark.max_new_tokens=12"]
+
+
+def rows_of(results, cfg):
+    lines = (Path(results) / run_name(cfg) / "predictions.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
+
+
+def test_a_killed_run_resumes_to_the_same_predictions(tiny_model_dir, tmp_path):
+    args = needle_args(tiny_model_dir, tmp_path / "killed")
+    cfg = compose_cfg(*args)
+    predictions = tmp_path / "killed" / run_name(cfg) / "predictions.jsonl"
+    proc = subprocess.Popen([sys.executable, "run.py", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not predictions.exists() or len(predictions.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not predictions.with_name("metrics.json").exists()
+    assert 3 <= len(predictions.read_text().splitlines()) < 9
+    resumed = run(cfg)
+    reference = run(compose_cfg(*needle_args(tiny_model_dir, tmp_path / "whole")))
+    got, want = rows_of(tmp_path / "killed", cfg), rows_of(tmp_path / "whole", cfg)
+    assert len({r["id"] for r in got}) == len(got) == 9
+    assert got == want
+    assert resumed["score"] == reference["score"] and resumed["grid"] == reference["grid"]
+
+
+def test_a_folder_another_job_holds_is_left_alone(tiny_model_dir, tmp_path, monkeypatch):
+    cfg = compose_cfg(*needle_args(tiny_model_dir, tmp_path))
+    folder = tmp_path / run_name(cfg)
+    folder.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'w'); fcntl.lockf(f, fcntl.LOCK_EX); "
+        "print('held', flush=True); time.sleep(60)"), str(folder / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setattr(pcs.runner, "load_model", lambda *a: pytest.fail("a held folder was worked on"))
+        assert run(cfg) is None
+    finally:
+        holder.kill()
+        holder.wait()
+    with exclusive(folder) as mine:
+        assert mine
+
+
+def read_wandb_summary(run_file: Path) -> dict:
+    """The summary records of a W&B run file (a LevelDB-style log of protobuf records)."""
+    from wandb.proto import wandb_internal_pb2
+    data, pos, block, records, part = run_file.read_bytes(), 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pos += 7
+        if kind == 0 and length == 0:
+            pos += left - 7
+            continue
+        part += data[pos:pos + length]
+        pos += length
+        if kind in (1, 4):            # a full record, or the last piece of one
+            records.append(part)
+            part = b""
+    summary = {}
+    for raw in records:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "summary":
+            summary.update({i.key: json.loads(i.value_json) for i in record.summary.update if i.key})
+    return summary
+
+
+def test_wandb_offline_keeps_the_runs_metrics(tiny_model_dir, tmp_path):
+    cfg = compose_cfg(*needle_args(tiny_model_dir, tmp_path / "results"), "logger=wandb", "logger.mode=offline",
+                      f"logger.dir={tmp_path}", "logger.group=tests")
+    metrics = run(cfg)
+    run_files = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(run_files) == 1
+    summary = read_wandb_summary(Path(run_files[0]))
+    assert summary["score"] == pytest.approx(metrics["score"])
+    assert summary["grid/200/0"] == pytest.approx(metrics["grid"]["200"]["0"])
+    assert summary["n_samples"] == 9
+
+
+def test_wandb_failure_never_loses_results(tiny_model_dir, tmp_path, capsys):
+    cfg = compose_cfg(*needle_args(tiny_model_dir, tmp_path / "results"), "logger=wandb", "logger.mode=nonsense")
+    metrics = run(cfg)
+    assert "W&B logging failed" in capsys.readouterr().out
+    assert json.loads((tmp_path / "results" / run_name(cfg) / "metrics.json").read_text()) == metrics
+
+
+def test_metrics_carry_provenance(tiny_model_dir, tmp_path):
+    metrics = run(compose_cfg(*needle_args(tiny_model_dir, tmp_path)))
+    assert len(metrics["git"]["commit"]) == 40 and isinstance(metrics["git"]["dirty"], bool)
+    assert metrics["packages"]["torch"] and metrics["packages"]["transformers"] and metrics["packages"]["rouge"]
+    assert metrics["device"] == "cpu" and metrics["dtype"] == "float32"
+    assert len(metrics["data"]["haystack"]) == 64 and len(metrics["data"]["prompt"]) == 64
+    assert metrics["started_at"] <= metrics["ended_at"]
