@@ -42,6 +42,7 @@ def test_run_writes_the_documented_folder(tiny_model_dir, tmp_path):
     assert on_disk["kv_cache_bytes"] == sum(r["kv_cache_bytes"] for r in rows)
     assert on_disk["score"] == pytest.approx(sum(r["score"] for r in rows) / 4)
     assert set(on_disk["grid"]) == {"200", "300"}
+    assert (d / "heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for key in ("kv_cache_bytes_full", "wall_time_s"):
         assert key in on_disk
 

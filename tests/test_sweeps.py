@@ -160,6 +160,7 @@ def test_wandb_offline_keeps_the_runs_metrics(tiny_model_dir, tmp_path):
     assert summary["score"] == pytest.approx(metrics["score"])
     assert summary["grid/200/0"] == pytest.approx(metrics["grid"]["200"]["0"])
     assert summary["n_samples"] == 9
+    assert b"plots/heatmap" in Path(run_files[0]).read_bytes()   # the run's plot was logged too
 
 
 def test_wandb_failure_never_loses_results(tiny_model_dir, tmp_path, capsys):

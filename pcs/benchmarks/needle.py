@@ -70,6 +70,11 @@ class Needle(Benchmark):
     def score(self, meta: dict, prediction: str) -> float:
         return 100.0 * self.scorer.score(self.cfg.needle, prediction)["rouge1"].recall
 
+    def finish(self, rows: list[dict], metrics: dict, run_dir: Path) -> None:
+        """The run's depth x length heatmap (paper Figure 8) next to its metrics."""
+        from ..report.figures import run_label, save_heatmap
+        save_heatmap(metrics, run_label(run_dir), Path(run_dir) / "heatmap.png")
+
     def metrics(self, rows: list[dict]) -> dict:
         grid: dict[str, dict[str, float]] = {}
         for row in rows:

@@ -67,9 +67,12 @@ def draw_heatmap(ax, metrics: dict, title: str):
 
 
 def needle_heatmap(run_dir: Path, path: Path) -> Path:
-    metrics = json.loads((run_dir / "metrics.json").read_text())
+    return save_heatmap(json.loads((run_dir / "metrics.json").read_text()), run_label(run_dir), path)
+
+
+def save_heatmap(metrics: dict, title: str, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(5, 3.8))
-    fig.colorbar(draw_heatmap(ax, metrics, run_label(run_dir)), ax=ax, label="score")
+    fig.colorbar(draw_heatmap(ax, metrics, title), ax=ax, label="score")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
