@@ -1,0 +1,22 @@
+"""The benchmark runs end to end on a tiny model and writes well-formed rows (timings not asserted)."""
+import json
+
+from pcs.bench import main
+
+FIELDS = {"model", "method", "selection", "budget", "context", "prefill_s", "decode_ms_per_token", "kv_bytes",
+          "kv_bytes_full", "peak_mem_bytes", "decode_bound", "decode_speedup"}
+
+
+def test_bench_rows_are_well_formed(tiny_model_dir, capsys):
+    main(["--model-path", str(tiny_model_dir), "--contexts", "300", "--methods", "snapkv", "adakv",
+          "--selections", "attention", "perturbation", "--budgets", "64", "--repeats", "1",
+          "--decode-tokens", "4", "--json"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["method"], r["selection"]) for r in rows] == [
+        ("full", "none"), ("snapkv", "attention"), ("snapkv", "perturbation"), ("adakv", "attention"),
+        ("adakv", "perturbation")]
+    for r in rows:
+        assert FIELDS <= set(r) and r["context"] == 300 and r["prefill_s"] > 0 and r["decode_ms_per_token"] > 0
+        assert r["kv_bytes_full"] == rows[0]["kv_bytes_full"]
+        assert r["decode_bound"] >= 1 and (r["kv_bytes"] < r["kv_bytes_full"]) == (r["method"] != "full")
+    assert rows[0]["decode_speedup"] == 1.0 and rows[0]["decode_bound"] == 1.0
