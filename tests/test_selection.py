@@ -117,3 +117,22 @@ def test_value_norms_chunked_equal_unchunked():
     _, _, _, N = brute_force_scores(layer.keys, layer.values, layer.window_queries, layer.o_proj_weight, 8, 1, "max")
     torch.testing.assert_close(chunked, full)
     torch.testing.assert_close(full[:, :29].double(), N, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("gqa", ["mean_of_products", "product_of_means"])
+@pytest.mark.parametrize("source,epsilon", [("unpooled", 0.0), ("pooled", 1e-4)])
+@pytest.mark.parametrize("peaked", [True, False])
+def test_bounded_stage2_keeps_what_exhaustive_scoring_keeps(gqa, source, epsilon, peaked):
+    """The branch-and-bound stage 2 (exact norms only where they could matter) against scoring every entry."""
+    from pcs.eviction.selection import PerturbationSelection, WindowScores
+    torch.manual_seed(7)
+    n_kv, group, m, d, hidden = 2, 3, 900, 16, 48
+    logits = torch.randn(n_kv * group, m) * (4.0 if peaked else 0.3)
+    mean = logits.softmax(-1)
+    pooled = torch.nn.functional.max_pool1d(mean[:, None], 7, 1, 3)[:, 0]
+    ws = WindowScores(mean, pooled, pooled.view(n_kv, group, m).mean(1), torch.randn(n_kv, m, d),
+                      torch.randn(hidden, n_kv * group * d))
+    sel = PerturbationSelection(alpha=0.25, stage2_source=source, epsilon=epsilon, gqa=gqa)
+    budgets = torch.tensor([40, 120])
+    fast, plain = sel.select(budgets, ws), sel.select(budgets, ws, exhaustive=True)
+    assert [f.tolist() for f in fast] == [p.tolist() for p in plain]

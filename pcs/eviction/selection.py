@@ -73,13 +73,61 @@ class PerturbationSelection:
         """Stage 1 of Algorithm 1: per KV head, the top ``floor(alpha * B_h)`` by pooled attention."""
         return [topk_sorted(ws.stage1[h], self.stage1_size(int(budgets[h]))) for h in range(len(budgets))]
 
-    def select(self, budgets: torch.Tensor, ws: WindowScores) -> list[torch.Tensor]:
-        stage2 = self.stage2_scores(ws)
+    def select(self, budgets: torch.Tensor, ws: WindowScores, exhaustive: bool = False) -> list[torch.Tensor]:
+        """Stage 1, then stage 2's top entries. By default stage 2 computes exact scores only where an
+        upper bound says they could make the cut (``stage2_topk``); ``exhaustive`` scores every entry
+        (the plain reference; both give the same kept sets)."""
+        stage2 = self.stage2_scores(ws) if exhaustive else None
         kept = []
         for h, first in enumerate(self.stage1(budgets, ws)):
-            b = int(budgets[h])
-            rest = stage2[h].clone()
-            rest[first] = float("-inf")
-            second = topk_sorted(rest, b - len(first))
+            k = int(budgets[h]) - len(first)
+            if exhaustive:
+                rest = stage2[h].clone()
+                rest[first] = float("-inf")
+                second = topk_sorted(rest, k)
+            else:
+                second = self.stage2_topk(ws, h, first, k)
             kept.append(torch.cat([first, second]).sort().values)
         return kept
+
+    def stage2_attention(self, ws: WindowScores) -> torch.Tensor:
+        return (ws.mean_attention if self.stage2_source == "unpooled" else ws.pooled_attention) + self.epsilon
+
+    def combine(self, attention: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+        """(group, n) attention and norms of one KV head's query heads -> (n,) stage-2 scores."""
+        if self.gqa == "mean_of_products":
+            return (attention * norms).mean(dim=0)
+        return attention.mean(dim=0) * norms.mean(dim=0)
+
+    def stage2_topk(self, ws: WindowScores, g: int, first: torch.Tensor, k: int) -> torch.Tensor:
+        """Exact top-``k`` of KV head ``g``'s stage-2 scores, computing ``||v W^O_h||_1`` only for
+        entries whose upper bound ``sum_j |v_j| ||W^O_h[:, j]||_1`` could still beat the k-th best
+        exact score found so far, in decreasing order of that bound (branch and bound)."""
+        values = ws.prefix_values[g]                                   # (m, d)
+        m, d = values.shape
+        group = ws.mean_attention.shape[0] // ws.stage1.shape[0]
+        attention = self.stage2_attention(ws)[g * group:(g + 1) * group]       # (group, m)
+        w = torch.stack([ws.o_proj_weight[:, h * d:(h + 1) * d] for h in range(g * group, (g + 1) * group)])
+        column_l1 = w.float().abs().sum(dim=1)                                 # (group, d)
+        bound = self.combine(attention, (values.float().abs() @ column_l1.T).T) * (1 + 1e-4)   # (m,)
+        excluded = torch.zeros(m, dtype=torch.bool, device=values.device)
+        excluded[first] = True
+        if ws.valid is not None:
+            excluded |= ~ws.valid[g]
+        bound = bound.masked_fill(excluded, float("-inf"))
+        order = torch.sort(bound, descending=True, stable=True).indices
+        exact = torch.full((m,), float("-inf"), device=values.device)
+        chunk, done = max(2 * k, 256), 0
+        while done < m and k > 0:
+            idx = order[done:done + chunk]
+            idx = idx[torch.isfinite(bound[idx])]
+            if len(idx) == 0:
+                break
+            norms = (values[idx] @ w.transpose(1, 2)).float().abs().sum(dim=-1)   # (group, len)
+            exact[idx] = self.combine(attention[:, idx], norms)
+            done += chunk
+            if done < m and int(torch.isfinite(exact).sum()) >= k:
+                kth = exact.topk(k).values[-1]
+                if bound[order[done]] < kth:
+                    break
+        return topk_sorted(exact, k)
