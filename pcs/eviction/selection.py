@@ -117,7 +117,9 @@ class PerturbationSelection:
         bound = bound.masked_fill(excluded, float("-inf"))
         order = torch.sort(bound, descending=True, stable=True).indices
         exact = torch.full((m,), float("-inf"), device=values.device)
-        chunk, done = max(2 * k, 256), 0
+        # The (group, chunk, hidden) product stays within one layer's keys, as the plain path's does.
+        layer_keys = ws.prefix_values.numel()
+        chunk, done = max(1, min(max(2 * k, 256), layer_keys // (group * ws.o_proj_weight.shape[0]))), 0
         while done < m and k > 0:
             idx = order[done:done + chunk]
             idx = idx[torch.isfinite(bound[idx])]
