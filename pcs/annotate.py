@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 from omegaconf import OmegaConf
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+from . import CONF_DIR
 DEFAULT_JUDGE = "deepseek-chat"
 
 

@@ -37,6 +37,17 @@ def attention_modules(model) -> list[torch.nn.Module]:
 
 
 @contextmanager
+def hooked(modules, hook, with_kwargs: bool = True):
+    """``hook`` runs after every forward of each of ``modules`` while the context is active."""
+    handles = [m.register_forward_hook(hook, with_kwargs=with_kwargs) for m in modules]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
 def after_prefill(model, cache: CompressedCache, window: int, on_layer):
     """While active, ``on_layer(state, cache_layer)`` runs right after each attention module's
     multi-token forward, with the layer's full keys and values and its last ``window`` queries."""
@@ -52,12 +63,8 @@ def after_prefill(model, cache: CompressedCache, window: int, on_layer):
                    if window else keys.new_empty(0))
         on_layer(LayerState(module.layer_idx, len(modules), keys, values, queries, module.o_proj.weight), layer)
 
-    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
-    try:
+    with hooked(modules, hook):
         yield cache
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def compress_after_prefill(model, method, cache: CompressedCache):
@@ -115,9 +122,5 @@ def recompress_when_full(model, method, cache: CompressedCache, trigger: int | N
                                                                  module.o_proj.weight):
             stats.compressed_at.add(layer.n_positions)
 
-    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
-    try:
+    with hooked(modules, hook):
         yield stats
-    finally:
-        for handle in handles:
-            handle.remove()

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from .benchmarks import BENCHMARKS
 from .eviction import METHODS, SELECTIONS
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+from . import CONF_DIR
 CHOICES = {
     "method.pooling": ("max", "avg"),
     "selection.stage2_source": ("unpooled", "pooled"),

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import CompressedCache
-from .compression import after_prefill, attention_modules, window_queries
+from .compression import after_prefill, attention_modules, hooked, window_queries
 from .eviction import LayerState
 
 Kept = list  # per layer: None (layer kept whole) or one LongTensor of positions per KV head
@@ -81,19 +81,17 @@ def decode_step(model, cache: CompressedCache, token: int, position: int, on_att
     ``on_attention(module, hidden_states, position_embeddings)`` runs after each attention module."""
     device = next(model.parameters()).device
     outputs = []
-    handles = [layer.register_forward_hook(
-        lambda mod, args, out: outputs.append((out[0] if isinstance(out, tuple) else out)[0, -1].float()))
-        for layer in model.model.layers]
-    if on_attention is not None:
-        handles += [m.register_forward_hook(
-            lambda mod, args, kwargs, out: on_attention(mod, kwargs["hidden_states"], kwargs["position_embeddings"]),
-            with_kwargs=True) for m in attention_modules(model)]
-    try:
+
+    def record(module, args, out):
+        outputs.append((out[0] if isinstance(out, tuple) else out)[0, -1].float())
+
+    def attention_hook(module, args, kwargs, out):
+        if on_attention is not None:
+            on_attention(module, kwargs["hidden_states"], kwargs["position_embeddings"])
+
+    with hooked(model.model.layers, record, with_kwargs=False), hooked(attention_modules(model), attention_hook):
         logits = model(input_ids=torch.tensor([[token]], device=device), position_ids=torch.tensor([[position]], device=device),
                        past_key_values=cache, use_cache=True).logits[0, -1]
-    finally:
-        for handle in handles:
-            handle.remove()
     return torch.stack(outputs), logits
 
 
@@ -137,6 +135,7 @@ class Measurement:
     layerwise: dict        # key -> (L,) L1 distance of each layer's output hidden state
     next_tokens: dict      # key -> greedy token after the first one, on the compressed cache
     next_token_full: int   # the same on the full cache
+    kv_bytes: dict         # key -> bytes the compressed cache holds before the decoding step
     assumption1: torch.Tensor          # (L, H_q) mass of stage-1 picks plus window
     assumption1_prefix: torch.Tensor   # (L, H_q) mass of stage-1 picks alone
 
@@ -145,9 +144,11 @@ class Measurement:
 def measure(model, prefill: Prefill, headwise_keys: list, layerwise_keys: list) -> Measurement:
     """Head-wise perturbation for ``headwise_keys``, layer-wise for ``layerwise_keys`` (variant keys)."""
     n = prefill.n_tokens
-    layerwise, next_tokens = {}, {}
+    layerwise, next_tokens, kv_bytes = {}, {}, {}
     for key in layerwise_keys:   # compressed caches first, so the full cache is extended only once, last
-        hidden, logits = decode_step(model, compressed_copy(prefill, prefill.kept[key]), prefill.first_token, n)
+        cache = compressed_copy(prefill, prefill.kept[key])
+        kv_bytes[key] = cache.nbytes()
+        hidden, logits = decode_step(model, cache, prefill.first_token, n)
         layerwise[key], next_tokens[key] = hidden, int(logits.argmax())
     headwise = {key: [] for key in headwise_keys}
     mass, mass_prefix = [], []
@@ -169,4 +170,4 @@ def measure(model, prefill: Prefill, headwise_keys: list, layerwise_keys: list) 
     full_hidden, full_logits = decode_step(model, prefill.cache, prefill.first_token, n, on_attention)
     return Measurement({k: torch.stack(v) for k, v in headwise.items()},
                        {k: (h - full_hidden).abs().sum(-1).cpu() for k, h in layerwise.items()},
-                       next_tokens, int(full_logits.argmax()), torch.stack(mass), torch.stack(mass_prefix))
+                       next_tokens, int(full_logits.argmax()), kv_bytes, torch.stack(mass), torch.stack(mass_prefix))

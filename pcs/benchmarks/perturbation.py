@@ -13,6 +13,7 @@ averaged over the contexts, is lower with the candidate than with the baseline.
 from __future__ import annotations
 
 import time
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -21,13 +22,13 @@ from omegaconf import OmegaConf
 
 from ..eviction import build_method
 from ..generate import full_kv_bytes
-from ..perturbation import compressed_copy, measure, run_prefill
+from ..perturbation import measure, run_prefill
 from ..provenance import sha256_files, sha256_text
 from .base import Benchmark, RunContext, Sample
 from .longbench import LongBench
 from .needle import PROMPT, default_haystack_dir, insert_needle, repeat_to
 
-CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"
+from .. import CONF_DIR
 WINDOW_METHODS = ("snapkv", "pyramidkv", "adakv")
 
 
@@ -55,6 +56,11 @@ class Perturbation(Benchmark):
         self.labels = [str(s) for s in self.cfg.selections]
         self.budgets = sorted(set(self.cfg.budgets) | {cfg.budget})
         self.longbench = None
+
+    @cached_property
+    def methods(self) -> dict:
+        """(variant label, budget) -> method, built once for all samples."""
+        return {(label, b): self.method_for(label, b) for label in self.labels for b in self.budgets}
 
     def method_for(self, label: str, budget: int):
         return build_method(self.config_with(budget=budget, selection=parse_variant(label)))
@@ -112,7 +118,7 @@ class Perturbation(Benchmark):
     def run_sample(self, sample: Sample, ctx: RunContext) -> dict:
         main = ctx.cfg.budget
         candidate = self.labels[1]
-        methods = {(label, b): self.method_for(label, b) for label in self.labels for b in self.budgets}
+        methods = self.methods
         assumption = next((m for (label, b), m in methods.items() if b == main and hasattr(m.selection, "stage1")), None)
         ids = self.encode(sample, ctx.tokenizer, ctx.cfg.model).context
         start = time.perf_counter()
@@ -127,7 +133,7 @@ class Perturbation(Benchmark):
             "prediction": decode([prefill.first_token]),
             "score": 100 * float((cand < base).float().mean()),
             "prompt_tokens": prefill.n_tokens, "new_tokens": 1,
-            "kv_cache_bytes": compressed_copy(prefill, prefill.kept[(candidate, main)]).nbytes(),
+            "kv_cache_bytes": result.kv_bytes[(candidate, main)],
             "kv_cache_bytes_full": full_kv_bytes(ctx.model.config, prefill.n_tokens, ctx.model.dtype),
             "prefill_s": round(prefill_s, 4), "decode_s": round(decode_s, 4),
             # The first token comes from the (uncompressed) prefill; the next is the first the cache can change.

@@ -32,10 +32,10 @@ def needle_section(results: Path, out: Path) -> list[str]:
     folder = out / "needle"
     folder.mkdir(parents=True, exist_ok=True)
     lines = ["## Needle-in-a-Haystack", ""]
-    for model in sorted({OmegaConf.load(r / "config.yaml").model.name for r in runs}):
-        mine = [r for r in runs if OmegaConf.load(r / "config.yaml").model.name == model]
-        budgets = sorted({OmegaConf.load(r / "config.yaml").budget for r in mine
-                          if OmegaConf.load(r / "config.yaml").method.name != "full"})
+    configs = {r: OmegaConf.load(r / "config.yaml") for r in runs}
+    for model in sorted({c.model.name for c in configs.values()}):
+        mine = [r for r, c in configs.items() if c.model.name == model]
+        budgets = sorted({configs[r].budget for r in mine if configs[r].method.name != "full"})
         for budget in budgets:
             grid = needle_comparison(mine, folder / f"{model}_grid_b{budget}.png", budget)
             if grid is not None:

@@ -63,8 +63,8 @@ def selection_label(cfg) -> str:
 def run_rows(run_dir: Path) -> list[dict]:
     cfg = OmegaConf.load(run_dir / "config.yaml")
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    if metrics.get("score") is None:
-        return []   # not scored yet (e.g. AlpacaEval before judging)
+    if metrics.get("score") is None or cfg.benchmark.name == "perturbation":
+        return []   # not scored yet (AlpacaEval before judging), or an analysis with its own section
     base = [kv for g in ("model", "benchmark") for kv in group_overrides(cfg, g)]
     if cfg.get("compress", {}).get("trigger") is not None:
         base.append(f"trigger={cfg.compress.trigger}")
@@ -94,8 +94,7 @@ def collect(path) -> pd.DataFrame:
     path = Path(path)
     if path.is_file():
         return read_csv(path)
-    rows = [row for folder in run_folders(path) if OmegaConf.load(folder / "config.yaml").benchmark.name != "perturbation"
-            for row in run_rows(folder)]
+    rows = [row for folder in run_folders(path) for row in run_rows(folder)]
     if not rows:
         raise FileNotFoundError(f"no finished, scored run folder under {path}")
     return expand_full_rows(pd.DataFrame(rows)[COLUMNS])
