@@ -112,8 +112,8 @@ def test_short_prompt_is_left_whole():
 
 def test_value_norms_chunked_equal_unchunked():
     layer = random_layer(5, n=37)
-    full = projected_value_norms(layer.values, layer.o_proj_weight, max_elements=10**9)
-    chunked = projected_value_norms(layer.values, layer.o_proj_weight, max_elements=24 * 5)
+    full = projected_value_norms(layer.values, layer.o_proj_weight, max_bytes=10**12)
+    chunked = projected_value_norms(layer.values, layer.o_proj_weight, max_bytes=24 * 5 * 4)
     _, _, _, N = brute_force_scores(layer.keys, layer.values, layer.window_queries, layer.o_proj_weight, 8, 1, "max")
     torch.testing.assert_close(chunked, full)
     torch.testing.assert_close(full[:, :29].double(), N, rtol=1e-5, atol=1e-4)
@@ -136,3 +136,37 @@ def test_bounded_stage2_keeps_what_exhaustive_scoring_keeps(gqa, source, epsilon
     budgets = torch.tensor([40, 120])
     fast, plain = sel.select(budgets, ws), sel.select(budgets, ws, exhaustive=True)
     assert [f.tolist() for f in fast] == [p.tolist() for p in plain]
+
+
+def peak_allocated_bytes(fn) -> int:
+    """Peak of the bytes allocated and not yet freed while ``fn`` runs, from the profiler's record of
+    every CPU allocation and free (independent of how the code under test chunks its work)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def test_value_norms_need_no_more_memory_than_one_layers_keys_and_values():
+    """The issue's memory target, on SmolLM2's shapes: computing ||v W^O_h||_1 for a layer, exhaustively
+    or by the bounded stage 2, allocates at most the bytes of that layer's keys and values."""
+    from pcs.eviction.selection import WindowScores
+    torch.manual_seed(0)
+    n_kv, group, m, d, hidden = 3, 3, 2048, 64, 576
+    values, weight = torch.randn(n_kv, m, d), torch.randn(hidden, n_kv * group * d) / 24
+    layer_kv_bytes = 2 * values.nbytes
+    mean = torch.randn(n_kv * group, m).softmax(-1)
+    ws = WindowScores(mean, mean, mean.view(n_kv, group, m).mean(1), values, weight)
+    budgets = torch.full((n_kv,), 96)
+    selection = PerturbationSelection()
+    for compute in (lambda: projected_value_norms(values, weight),
+                    lambda: selection.select(budgets, ws),
+                    lambda: selection.select(budgets, ws, exhaustive=True)):
+        assert 0 < peak_allocated_bytes(compute) <= layer_kv_bytes
+    # The measurement can fail: one unchunked product for all heads is far larger.
+    unchunked = lambda: torch.einsum("gmd,hd->gmh", values, weight[:, :d]).abs().sum(-1)
+    assert peak_allocated_bytes(unchunked) > layer_kv_bytes

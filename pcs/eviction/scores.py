@@ -52,27 +52,35 @@ def group_mean(per_query_head: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
     return per_query_head.view(n_kv_heads, n_q_heads // n_kv_heads, n).mean(dim=1)
 
 
+def rows_per_chunk(budget_bytes: int, row_elements: int, dtype: torch.dtype) -> int:
+    """Rows of a (rows, row_elements) product in ``dtype``, plus its float32 copy when ``dtype`` is
+    narrower, that fit in ``budget_bytes`` (at least one)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    per_row = row_elements * (itemsize + (0 if dtype == torch.float32 else 4))
+    return max(1, budget_bytes // per_row)
+
+
 def projected_value_norms(values: torch.Tensor, o_proj_weight: torch.Tensor,
-                          max_elements: int | None = None) -> torch.Tensor:
+                          max_bytes: int | None = None) -> torch.Tensor:
     """``||v_i W^O_h||_1`` for every query head h and token i -> (H_q, n) float32.
 
     ``o_proj_weight`` is the (hidden, H_q * d) weight of the output projection; query head h owns its
     input columns ``[h*d, (h+1)*d)``. Work goes head by head and in token chunks so that the temporary
-    (chunk x hidden) product never exceeds ``max_elements`` (default: one layer's keys, H_kv * n * d),
-    never a tokens x heads x hidden tensor.
+    (chunk x hidden) product never takes more than ``max_bytes`` (default: the bytes of ``values``, so
+    the whole computation stays within one layer's keys and values), never a tokens x heads x hidden tensor.
     """
     n_kv_heads, n, d = values.shape
     hidden, qd = o_proj_weight.shape
     n_q_heads = qd // d
     group = n_q_heads // n_kv_heads
-    if max_elements is None:
-        max_elements = n_kv_heads * n * d
-    chunk = max(1, min(n, max_elements // hidden))
+    if max_bytes is None:
+        max_bytes = values.nbytes
+    chunk = min(n, rows_per_chunk(max_bytes, hidden, values.dtype))
     norms = torch.empty(n_q_heads, n, dtype=torch.float32, device=values.device)
     for h in range(n_q_heads):
         w_h = o_proj_weight[:, h * d:(h + 1) * d]          # (hidden, d): v W^O_h == w_h @ v
         v = values[h // group]
         for start in range(0, n, chunk):
-            block = v[start:start + chunk] @ w_h.T          # (chunk, hidden), model dtype
-            norms[h, start:start + chunk] = block.float().abs().sum(dim=-1)
+            # One unnamed (chunk, hidden) product at a time: a named one would live on beside the next.
+            norms[h, start:start + chunk] = (v[start:start + chunk] @ w_h.T).float().abs_().sum(dim=-1)
     return norms

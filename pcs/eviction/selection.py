@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .scores import group_mean, projected_value_norms
+from .scores import group_mean, projected_value_norms, rows_per_chunk
 
 
 @dataclass
@@ -117,15 +117,17 @@ class PerturbationSelection:
         bound = bound.masked_fill(excluded, float("-inf"))
         order = torch.sort(bound, descending=True, stable=True).indices
         exact = torch.full((m,), float("-inf"), device=values.device)
-        # The (group, chunk, hidden) product stays within one layer's keys, as the plain path's does.
-        layer_keys = ws.prefix_values.numel()
-        chunk, done = max(1, min(max(2 * k, 256), layer_keys // (group * ws.o_proj_weight.shape[0]))), 0
+        # The (group, chunk, hidden) product takes at most half of the layer's value bytes, so the
+        # scan's temporaries stay within one layer's keys and values (as projected_value_norms's do).
+        budget_bytes = ws.prefix_values.nbytes // 2
+        rows = rows_per_chunk(budget_bytes, group * ws.o_proj_weight.shape[0], values.dtype)
+        chunk, done = min(max(2 * k, 256), rows), 0
         while done < m and k > 0:
             idx = order[done:done + chunk]
             idx = idx[torch.isfinite(bound[idx])]
             if len(idx) == 0:
                 break
-            norms = (values[idx] @ w.transpose(1, 2)).float().abs().sum(dim=-1)   # (group, len)
+            norms = (values[idx] @ w.transpose(1, 2)).float().abs_().sum(dim=-1)   # (group, len)
             exact[idx] = self.combine(attention[:, idx], norms)
             done += chunk
             if done < m and int(torch.isfinite(exact).sum()) >= k:
