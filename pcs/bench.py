@@ -5,9 +5,9 @@ compressed cache against the memory-traffic bound, KV bytes and peak memory.
         --selections attention perturbation --budgets 128 --repeats 3 [--decode-tokens 32] [--json]
     python -m pcs.bench --model llama31-shape --layers 4 --contexts 8192 32768 ...   # random weights, GPU
 
-One process, random prompt tokens, one warm-up per configuration, medians over ``--repeats``. The full
-cache is always measured first, as the baseline of ``decode_speedup`` and ``decode_bound``:
-``decode_bound = (weight bytes + full KV bytes) / (weight bytes + kept KV bytes)``, the speed-up a
+One process, random prompt tokens, a warm-up of every configuration, then ``--repeats`` rounds that
+each measure every configuration once (drift falls on all alike); medians. The full cache is always
+measured first, as the baseline of ``decode_speedup`` and ``decode_bound``: ``decode_bound = (weight bytes + full KV bytes) / (weight bytes + kept KV bytes)``, the speed-up a
 decoding step limited by memory traffic would get from the smaller cache.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -92,20 +93,40 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def measure(model, method, context: int, decode_tokens: int, repeats: int) -> dict:
-    device = next(model.parameters()).device
-    torch.manual_seed(0)
-    ids = torch.randint(100, model.config.vocab_size - 100, (1, context))
-    greedy_generate(model, ids, method, 2, set())                       # warm-up
-    prefill, decode, peak = [], [], 0
-    for _ in range(repeats):
-        with PeakMemory(device) as mem:
-            gen = greedy_generate(model, ids, method, decode_tokens, set())
-        prefill.append(gen.prefill_s)
-        decode.append(1000 * gen.decode_s / max(1, len(gen.token_ids) - 1))
-        peak = max(peak, mem.extra)
-    return {"prefill_s": statistics.median(prefill), "decode_ms_per_token": statistics.median(decode),
-            "kv_bytes": gen.kv_cache_bytes, "kv_bytes_full": gen.kv_cache_bytes_full, "peak_mem_bytes": peak}
+def random_prompt(model, context: int) -> torch.Tensor:
+    """The same ``context`` random token ids for every configuration."""
+    generator = torch.Generator().manual_seed(context)
+    return torch.randint(100, model.config.vocab_size - 100, (1, context), generator=generator)
+
+
+def profile_prefill(model, method, ids, path: Path) -> float:
+    """One prefill plus compression under torch.profiler; writes its op table to ``path`` and returns
+    the share of the time spent compressing (ops under the ``pcs.compress`` label)."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        greedy_generate(model, ids, method, 1, set())
+    averages = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in averages)
+    compress = sum(e.cpu_time_total for e in averages if e.key == "pcs.compress")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(averages.table(sort_by="self_cpu_time_total", row_limit=30))
+    return compress / total if total else 0.0
+
+
+def measure_once(model, method, ids, decode_tokens: int) -> dict:
+    with PeakMemory(next(model.parameters()).device) as mem:
+        gen = greedy_generate(model, ids, method, decode_tokens, set())
+    return {"prefill_s": gen.prefill_s, "decode_ms_per_token": 1000 * gen.decode_s / max(1, len(gen.token_ids) - 1),
+            "kv_bytes": gen.kv_cache_bytes, "kv_bytes_full": gen.kv_cache_bytes_full, "peak_mem_bytes": mem.extra}
+
+
+def summarize(samples: list[dict]) -> dict:
+    """Medians of the timings, the most extra memory, and the (deterministic) cache sizes."""
+    return {"prefill_s": statistics.median(s["prefill_s"] for s in samples),
+            "decode_ms_per_token": statistics.median(s["decode_ms_per_token"] for s in samples),
+            "kv_bytes": samples[-1]["kv_bytes"], "kv_bytes_full": samples[-1]["kv_bytes_full"],
+            "peak_mem_bytes": max(s["peak_mem_bytes"] for s in samples)}
 
 
 def configurations(args):
@@ -117,22 +138,41 @@ def configurations(args):
                 yield method, selection, budget
 
 
+def build_configurations(args) -> list[tuple]:
+    built = []
+    for method_name, selection, budget in configurations(args):
+        overrides = {"method": method_name, "budget": budget or 128}
+        if selection != "none":
+            overrides["selection"] = selection
+        built.append((method_name, selection, budget, build_method(compose(**overrides))))
+    return built
+
+
 def run(args) -> list[dict]:
+    """Per context: a warm-up of every configuration, then ``repeats`` rounds that each measure every
+    configuration once, so that slow drift of the machine falls on all configurations alike."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(args.model, args.layers, device, args.model_path)
     weights = weight_bytes(model)
+    built = build_configurations(args)
     rows = []
     for context in args.contexts:
+        ids = random_prompt(model, context)
+        for *_, method in built:
+            greedy_generate(model, ids, method, 2, set())
+        samples = [[] for _ in built]
+        for _ in range(args.repeats):
+            for i, (*_, method) in enumerate(built):
+                samples[i].append(measure_once(model, method, ids, args.decode_tokens))
         base = None
-        for method_name, selection, budget in configurations(args):
-            overrides = {"method": method_name, "budget": budget or 128}
-            if selection != "none":
-                overrides["selection"] = selection
-            method = build_method(compose(**overrides))
-            result = measure(model, method, context, args.decode_tokens, args.repeats)
+        for (method_name, selection, budget, method), runs in zip(built, samples):
+            result = summarize(runs)
+            if args.profile:
+                name = f"{context}_{method_name}_{selection}_{budget or 'all'}.txt"
+                result["compress_share"] = profile_prefill(model, method, ids, Path(args.profile) / name)
             base = base or result
             row = {"model": args.model, "device": device, "method": method_name, "selection": selection,
-                   "budget": budget, "context": context, **result,
+                   "budget": budget, "context": context, "repeats": args.repeats, **result,
                    "decode_bound": (weights + result["kv_bytes_full"]) / (weights + result["kv_bytes"]),
                    "decode_speedup": base["decode_ms_per_token"] / result["decode_ms_per_token"]}
             rows.append(row)
@@ -145,7 +185,8 @@ def format_row(row: dict) -> str:
             f"prefill {row['prefill_s']:8.3f} s  decode {row['decode_ms_per_token']:8.2f} ms/tok  "
             f"KV {row['kv_bytes'] / 2**20:8.1f}/{row['kv_bytes_full'] / 2**20:8.1f} MiB  "
             f"peak +{row['peak_mem_bytes'] / 2**20:7.1f} MiB  speed-up {row['decode_speedup']:5.2f} "
-            f"(bound {row['decode_bound']:5.2f})")
+            f"(bound {row['decode_bound']:5.2f})"
+            + (f"  compressing {100 * row['compress_share']:4.1f} %" if "compress_share" in row else ""))
 
 
 def parse(argv=None):
@@ -161,6 +202,8 @@ def parse(argv=None):
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--device", choices=["cpu", "cuda"])
     parser.add_argument("--json", action="store_true", help="one JSON object per configuration")
+    parser.add_argument("--profile", metavar="DIR", help="also profile one prefill per configuration "
+                        "(torch.profiler op table into DIR; compress_share = time under pcs.compress)")
     return parser.parse_args(argv)
 
 

@@ -71,9 +71,10 @@ def compress_after_prefill(model, method, cache: CompressedCache):
     """While active, each attention module compresses its layer of ``cache`` after a multi-token forward."""
     def compress(state: LayerState, layer) -> None:
         layer.recent_queries = state.window_queries    # the window, should decoding recompress later
-        kept = method.keep(state)
-        if kept is not None:
-            layer.compress(kept)
+        with torch.profiler.record_function("pcs.compress"):   # a label in profiles (python -m pcs.bench --profile)
+            kept = method.keep(state)
+            if kept is not None:
+                layer.compress(kept)
     return after_prefill(model, cache, getattr(method, "window", 0), compress)
 
 

@@ -7,8 +7,8 @@ FIELDS = {"model", "method", "selection", "budget", "context", "prefill_s", "dec
           "kv_bytes_full", "peak_mem_bytes", "decode_bound", "decode_speedup"}
 
 
-def test_bench_rows_are_well_formed(tiny_model_dir, capsys):
-    main(["--model-path", str(tiny_model_dir), "--contexts", "300", "--methods", "snapkv", "adakv",
+def test_bench_rows_are_well_formed(tiny_model_dir, capsys, tmp_path):
+    main(["--profile", str(tmp_path), "--model-path", str(tiny_model_dir), "--contexts", "300", "--methods", "snapkv", "adakv",
           "--selections", "attention", "perturbation", "--budgets", "64", "--repeats", "1",
           "--decode-tokens", "4", "--json"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
@@ -19,4 +19,6 @@ def test_bench_rows_are_well_formed(tiny_model_dir, capsys):
         assert FIELDS <= set(r) and r["context"] == 300 and r["prefill_s"] > 0 and r["decode_ms_per_token"] > 0
         assert r["kv_bytes_full"] == rows[0]["kv_bytes_full"]
         assert r["decode_bound"] >= 1 and (r["kv_bytes"] < r["kv_bytes_full"]) == (r["method"] != "full")
+    assert all(0 <= r["compress_share"] < 1 for r in rows)
+    assert len(list(tmp_path.glob("300_*.txt"))) == len(rows)
     assert rows[0]["decode_speedup"] == 1.0 and rows[0]["decode_bound"] == 1.0
