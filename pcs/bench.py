@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .eviction import build_method
+from .eviction import METHODS_WITHOUT_SELECTION, build_method
 from .generate import greedy_generate
 from .models import load_model, prepare
 
@@ -132,7 +132,7 @@ def summarize(samples: list[dict]) -> dict:
 def configurations(args):
     yield "full", "none", None
     for method in args.methods:
-        selections = ["none"] if method == "streamingllm" else args.selections
+        selections = ["none"] if method in METHODS_WITHOUT_SELECTION else args.selections
         for selection in selections:
             for budget in args.budgets:
                 yield method, selection, budget

@@ -67,15 +67,61 @@ def after_prefill(model, cache: CompressedCache, window: int, on_layer):
         yield cache
 
 
+class LayerChoices:
+    """One method's kept entries, layer by layer during a prefill. A model-wide method (``model_wide``)
+    only scores each layer as it passes and chooses for all layers in ``finish``, once all are seen."""
+
+    def __init__(self, method, n_layers: int):
+        self.method, self.kept, self.scores, self.n_tokens = method, [None] * n_layers, {}, 0
+        self.deferred = getattr(method, "model_wide", False)
+
+    def add(self, state: LayerState):
+        """The layer's kept entries if they are known now (None: kept whole, or chosen in ``finish``)."""
+        if not self.deferred:
+            self.kept[state.layer_idx] = self.method.keep(state)
+            return self.kept[state.layer_idx]
+        scores = self.method.layer_scores(state)
+        if scores is not None:
+            self.scores[state.layer_idx], self.n_tokens = scores, state.n_tokens
+        return None
+
+    def finish(self) -> list:
+        """Per layer: None (kept whole) or one LongTensor of kept positions per KV head."""
+        if self.scores:
+            for layer_idx, kept in self.method.choose(self.scores, self.n_tokens).items():
+                self.kept[layer_idx] = kept
+            self.scores = {}
+        return self.kept
+
+
+@dataclass
+class PrefillStats:
+    peak_kv_bytes: int = 0      # most bytes the cache held at once during the prefill
+
+
+@contextmanager
 def compress_after_prefill(model, method, cache: CompressedCache):
-    """While active, each attention module compresses its layer of ``cache`` after a multi-token forward."""
+    """While active, each attention module compresses its layer of ``cache`` after a multi-token
+    forward; a model-wide method compresses every layer when the context closes, after the whole
+    prefill, so the full cache lives until then (``PrefillStats.peak_kv_bytes`` records it)."""
+    choices, stats = LayerChoices(method, model.config.num_hidden_layers), PrefillStats()
+
     def compress(state: LayerState, layer) -> None:
         layer.recent_queries = state.window_queries    # the window, should decoding recompress later
+        stats.peak_kv_bytes = max(stats.peak_kv_bytes, cache.nbytes())
         with torch.profiler.record_function("pcs.compress"):   # a label in profiles (python -m pcs.bench --profile)
-            kept = method.keep(state)
+            kept = choices.add(state)
             if kept is not None:
                 layer.compress(kept)
-    return after_prefill(model, cache, getattr(method, "window", 0), compress)
+
+    with after_prefill(model, cache, getattr(method, "window", 0), compress):
+        yield stats
+    if choices.deferred:
+        stats.peak_kv_bytes = max(stats.peak_kv_bytes, cache.nbytes())
+        with torch.profiler.record_function("pcs.compress"):
+            for layer, kept in zip(cache.layers, choices.finish()):
+                if kept is not None:
+                    layer.compress(kept)
 
 
 @dataclass

@@ -9,13 +9,17 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from .benchmarks import BENCHMARKS
-from .eviction import METHODS, SELECTIONS
+from .eviction import METHODS, METHODS_WITHOUT_SELECTION, SELECTIONS
+from .eviction.laprox import GQA_MODES, POOL_TARGETS, SCOPES
 
 from . import CONF_DIR
 CHOICES = {
     "method.pooling": ("max", "avg"),
     "selection.stage2_source": ("unpooled", "pooled"),
     "selection.gqa": ("mean_of_products", "product_of_means"),
+    "method.gqa": GQA_MODES,
+    "method.pool_on": POOL_TARGETS,
+    "method.scope": SCOPES,
     "model.dtype": ("float32", "bfloat16", "float16"),
 }
 
@@ -49,8 +53,10 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"compress.trigger={trigger!r} must be an integer above budget={budget} "
                           f"(or null for no decoding-time compression)")
     sinks = cfg.method.get("sinks")
-    if sinks is not None and not 0 <= sinks <= budget:
-        raise ConfigError(f"budget={budget} cannot hold method.sinks={sinks} attention sinks")
+    room = budget - (window or 0)
+    if sinks is not None and not 0 <= sinks <= room:
+        raise ConfigError(f"budget={budget} cannot hold method.sinks={sinks} attention sinks"
+                          + (f" beside the window of {window}" if window else ""))
     alpha = cfg.selection.get("alpha")
     if alpha is not None and not 0.0 <= alpha <= 1.0:
         raise ConfigError(f"selection.alpha={alpha} must lie in [0, 1]")
@@ -72,7 +78,7 @@ def validate(cfg: DictConfig) -> None:
 def selection_applies(cfg: DictConfig) -> bool:
     """Full cache and StreamingLLM choose no entries by score, so the selection rule is moot; the
     perturbation analysis compares the selections its own config lists."""
-    return cfg.method.name not in ("full", "streamingllm") and BENCHMARKS[cfg.benchmark.name].uses_selection
+    return cfg.method.name not in METHODS_WITHOUT_SELECTION and BENCHMARKS[cfg.benchmark.name].uses_selection
 
 
 def saved_config(cfg: DictConfig) -> str:
@@ -99,7 +105,7 @@ NOT_IN_NAME = {"name", "path", "cache_dir", "device", "device_map", "data_dir", 
 
 def knob_text(value) -> str:
     if isinstance(value, list):
-        return "+".join(map(str, value))
+        return "+".join(map(knob_text, value))
     return str(value).replace(" ", "").replace("/", "-")
 
 

@@ -20,6 +20,7 @@ class Generation:
     decode_s: float
     max_kv_entries: int = 0    # most entries any KV head held after prefill compression and later
     n_compressions: int = 0    # decoding-time recompressions (steps at which some layer recompressed)
+    peak_kv_bytes: int = 0     # most bytes the cache held during prefill (a model-wide method: the full cache)
 
 
 def full_kv_bytes(config, n_tokens: int, dtype: torch.dtype) -> int:
@@ -40,7 +41,7 @@ def greedy_generate(model, input_ids: torch.Tensor, method, max_new_tokens: int,
     n = input_ids.shape[1]
     cache = CompressedCache(model.config.num_hidden_layers)
     start = time.perf_counter()
-    with compress_after_prefill(model, method, cache):
+    with compress_after_prefill(model, method, cache) as prefill:
         logits = model(input_ids=input_ids.to(device), past_key_values=cache, use_cache=True,
                        logits_to_keep=1).logits
     stats = CompressionStats(max_kv_entries=max(max(h) for h in cache.entries_per_head()))
@@ -56,7 +57,7 @@ def greedy_generate(model, input_ids: torch.Tensor, method, max_new_tokens: int,
         tokens = decode(model, cache, logits, n, max_new_tokens, stop_token_ids, min_new_tokens)
     decode_s = time.perf_counter() - start
     return Generation(tokens, n, kv_bytes, full_kv_bytes(model.config, n, model.dtype), prefill_s, decode_s,
-                      stats.max_kv_entries, stats.n_compressions)
+                      stats.max_kv_entries, stats.n_compressions, prefill.peak_kv_bytes)
 
 
 def decode(model, cache, logits, n: int, max_new_tokens: int, stop_token_ids: set[int], min_new_tokens: int) -> list[int]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import CompressedCache
-from .compression import after_prefill, attention_modules, hooked, window_queries
+from .compression import LayerChoices, after_prefill, attention_modules, hooked, window_queries
 from .eviction import LayerState
 
 Kept = list  # per layer: None (layer kept whole) or one LongTensor of positions per KV head
@@ -42,13 +42,13 @@ class Prefill:
 def run_prefill(model, input_ids: torch.Tensor, methods: dict, assumption_method=None) -> Prefill:
     """Full-cache prefill; every method of ``methods`` (key -> method) chooses its kept entries."""
     n_layers = model.config.num_hidden_layers
-    kept = {key: [None] * n_layers for key in methods}
+    choices = {key: LayerChoices(method, n_layers) for key, method in methods.items()}
     stage1, stage1_prefix = [None] * n_layers, [None] * n_layers
     window = max(getattr(m, "window", 0) for m in methods.values())
 
     def on_layer(state: LayerState, layer) -> None:
-        for key, method in methods.items():
-            kept[key][state.layer_idx] = method.keep(state)
+        for choice in choices.values():
+            choice.add(state)
         planned = assumption_method.plan(state) if assumption_method is not None else None
         if planned is not None:
             ws, budgets = planned
@@ -61,6 +61,7 @@ def run_prefill(model, input_ids: torch.Tensor, methods: dict, assumption_method
     with after_prefill(model, cache, window, on_layer):
         logits = model(input_ids=input_ids.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     dense = [layer.dense() for layer in cache.layers]
+    kept = {key: choice.finish() for key, choice in choices.items()}
     return Prefill(input_ids.shape[1], int(logits[0, -1].argmax()), [k for k, _ in dense], [v for _, v in dense],
                    kept, stage1, stage1_prefix, cache)
 

@@ -134,6 +134,7 @@ def execute(cfg: DictConfig, benchmark, run_dir: Path) -> dict:
         "n_samples": len(rows),
         "kv_cache_bytes": sum(r["kv_cache_bytes"] for r in rows),
         "kv_cache_bytes_full": sum(r["kv_cache_bytes_full"] for r in rows),
+        **({"peak_kv_bytes": max(r["peak_kv_bytes"] for r in rows)} if "peak_kv_bytes" in rows[0] else {}),
         **({"max_kv_entries": max(r["max_kv_entries"] for r in rows),
             "n_compressions": sum(r["n_compressions"] for r in rows)} if "max_kv_entries" in rows[0] else {}),
         "wall_time_s": round(time.time() - started, 2),

@@ -38,8 +38,9 @@ def test_models_declare_dtype_length_chat_and_path():
 def test_run_names_distinguish_cells_and_knobs():
     names = {run_name(compose_cfg(f"method={m}", f"selection={s}", f"budget={b}"))
              for m in GROUPS["method"] for s in ("attention", "perturbation") for b in (64, 128)}
-    # full ignores selection and budget, streamingllm ignores selection.
-    assert len(names) == 1 + 2 + 3 * 2 * 2
+    # full ignores selection and budget, streamingllm and laprox ignore selection.
+    assert len(names) == 1 + 2 + 2 + 3 * 2 * 2
+    assert "needle/smollm2/laprox_none_b64" in names
     assert run_name(compose_cfg("selection.alpha=0")) == "needle/smollm2/snapkv_perturbation_b128_alpha=0"
     assert "stage2_source=pooled" in run_name(compose_cfg("selection=perturbation_released"))
     # Model knobs change results too; where data lives does not; lists are joined by "+".

@@ -116,13 +116,16 @@ def test_run_writes_metrics_and_figures(tiny_model_dir, tmp_path):
     cfg = compose_cfg("benchmark=perturbation", f"model.path={tiny_model_dir}", f"results_dir={tmp_path}",
                       "progress=false", "benchmark.n_samples=2", "benchmark.context_length=300",
                       "benchmark.budgets=[32,64]", "budget=48", f"method.window={WINDOW}",
-                      'benchmark.selections=[attention,perturbation,"perturbation:alpha=0.0"]')
+                      'benchmark.selections=[attention,perturbation,"perturbation:alpha=0.0",adakv/perturbation,'
+                      '"laprox:window=8"]')
     metrics = run(cfg)
     run_dir = tmp_path / pcs.runner.run_name(cfg)
     assert run_dir.name.startswith("snapkv_b48_")
     assert metrics["score"] == pytest.approx(100 * metrics["heads_improved_frac"])
-    assert metrics["n_heads"] == 4 * 8 and set(metrics["comparisons"]) == {"perturbation", "perturbation:alpha=0.0"}
-    assert set(metrics["final_layer_by_budget"]["attention"]) == {"32", "48", "64"}
+    assert metrics["n_heads"] == 4 * 8 and set(metrics["comparisons"]) == {
+        "perturbation", "perturbation:alpha=0.0", "adakv/perturbation", "laprox:window=8"}
+    for label in ("attention", "adakv/perturbation", "laprox:window=8"):
+        assert set(metrics["final_layer_by_budget"][label]) == {"32", "48", "64"}
     assert len(metrics["layerwise"]["perturbation"]) == 4
     assert len(metrics["final_layer_per_sample"]["attention"]) == 2
     assert 0 <= metrics["assumption1_frac"] <= 1
@@ -136,6 +139,8 @@ def test_run_writes_metrics_and_figures(tiny_model_dir, tmp_path):
     ("method=full", "needs method="), ("benchmark.selections=[attention]", "at least two"),
     ("benchmark.selections=[attention,nope]", "no selection 'nope'"),
     ('benchmark.selections=[attention,"perturbation:beta=1"]', "not a knob"),
+    ('benchmark.selections=[attention,"laprox:alpha=1"]', "not a knob of method laprox"),
+    ("benchmark.selections=[attention,streamingllm/attention]", "compares snapkv, pyramidkv, adakv and laprox"),
     ("benchmark.budgets=[16]", "must hold the window"),
 ])
 def test_bad_analysis_options_fail_before_the_model_loads(tmp_path, monkeypatch, override, message):
@@ -158,3 +163,22 @@ def test_longbench_contexts_can_be_analysed(tiny_model_dir, tmp_path):
     rows = (tmp_path / "out" / pcs.runner.run_name(cfg) / "predictions.jsonl").read_text().splitlines()
     assert [json.loads(r)["id"] for r in rows] == ["qasper/q0", "qasper/q1"]
     assert metrics["n_samples"] == 2 and 0 <= metrics["score"] <= 100
+
+
+def test_laprox_chooses_in_the_analysis_what_it_keeps_in_generation():
+    """The analysis's prefill and the generation path reach the same model-wide choice."""
+    from pcs.eviction import LaProx
+    from pcs.generate import greedy_generate
+
+    class Recording(LaProx):
+        def choose(self, scores, n_tokens):
+            self.kept = super().choose(scores, n_tokens)
+            return self.kept
+
+    model = tiny_model("llama")
+    input_ids = torch.randint(0, 256, (1, 120))
+    recording = Recording(budget=32, window=WINDOW)
+    greedy_generate(model, input_ids, recording, 1, set())
+    analysed = run_prefill(model, input_ids, {"laprox": LaProx(budget=32, window=WINDOW)}).kept["laprox"]
+    for layer, heads in recording.kept.items():
+        assert [h.tolist() for h in analysed[layer]] == [h.tolist() for h in heads]

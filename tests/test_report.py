@@ -72,6 +72,7 @@ def results(tmp_path):
     for method in ("snapkv", "adakv"):
         for selection, score in (("attention", 50.0), ("perturbation", 60.0)):
             write_run(root, f"method={method}", f"selection={selection}", "budget=64", metrics=needle_metrics(score))
+    write_run(root, "method=laprox", "budget=64", metrics=needle_metrics(70.0))
     pert = write_run(root, "benchmark=perturbation", "budget=128", metrics={
         "score": 90.0, "heads_improved": 9, "n_heads": 10, "mean_relative_reduction": 0.2, "assumption1_frac": 0.7})
     (pert / "layerwise.png").write_bytes(PNG + b"stub")
@@ -96,6 +97,10 @@ def test_report_from_a_results_folder(results, tmp_path):
     for png in ["savings.png", "needle/smollm2_grid_b64.png", "needle/smollm2__snapkv_attention_b64.png",
                 "perturbation/smollm2__snapkv_b128/layerwise.png"]:
         assert (out / png).read_bytes()[:8] == PNG, png
+    side_by_side = (out / "tables" / "methods_needle_smollm2.md").read_text()
+    for line in ("| adakv | w/o | 90.00 | 50.00 |", "| adakv | w/ | 90.00 | 60.00 |", "| laprox | - | 90.00 | **70.00** |",
+                 "| snapkv | w/ | 90.00 | 60.00 |"):
+        assert line in side_by_side
     report = (out / "report.md").read_text()
     assert "## Budget savings" in report and "## Needle-in-a-Haystack" in report and "9 / 10" in report
 

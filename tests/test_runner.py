@@ -93,6 +93,16 @@ def test_bad_values_fail_before_the_model_loads(tmp_path, monkeypatch, override,
     assert not any(tmp_path.iterdir())   # nothing half-written
 
 
+@pytest.mark.parametrize("override,needle", [
+    ("method.scope=global", "method.scope='global'"), ("method.gqa=max", "method.gqa='max'"),
+    ("method.pool_on=values", "method.pool_on='values'"), ("method.sinks=100", "method.sinks=100"),
+])
+def test_bad_laprox_knobs_fail_before_the_model_loads(tmp_path, monkeypatch, override, needle):
+    monkeypatch.setattr(pcs.runner, "load_model", lambda *a: pytest.fail("model loaded before validation"))
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        run(compose_cfg(f"results_dir={tmp_path}", "method=laprox", override))
+
+
 def test_unknown_option_lists_valid_ones():
     proc = subprocess.run([sys.executable, "run.py", "method=nope"], cwd=ROOT, capture_output=True, text=True)
     out = proc.stdout + proc.stderr

@@ -65,6 +65,7 @@ class Benchmark:
                 "question_tokens": 0 if prompt.question is None else prompt.question.shape[1],
                 "new_tokens": len(gen.token_ids),
                 "kv_cache_bytes": gen.kv_cache_bytes, "kv_cache_bytes_full": gen.kv_cache_bytes_full,
+                "peak_kv_bytes": gen.peak_kv_bytes,
                 "max_kv_entries": gen.max_kv_entries, "n_compressions": gen.n_compressions,
                 "prefill_s": round(gen.prefill_s, 4), "decode_s": round(gen.decode_s, 4)}
 

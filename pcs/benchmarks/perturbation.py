@@ -5,7 +5,8 @@ Contexts: needle-test haystacks (Paul Graham's essays from different starting po
 in the middle, the needle question after them), or the first samples of a LongBench task (the paper
 uses Qasper) with the official prompt and truncation. ``benchmark.selections`` lists the variants:
 the first is the baseline (attention), the second the candidate; ``name:key=value,...`` adds a
-variant with changed knobs, e.g. ``perturbation:alpha=0.0``.
+variant with changed knobs, e.g. ``perturbation:alpha=0.0``; ``method/selection`` uses another method
+(``adakv/perturbation``), and ``laprox[:key=value,...]`` compares LaProx.
 
 ``score`` = 100 x ``heads_improved_frac``: the share of (layer, query head) pairs whose perturbation,
 averaged over the contexts, is lower with the candidate than with the baseline.
@@ -20,7 +21,7 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from ..eviction import build_method
+from ..eviction import METHODS_WITHOUT_SELECTION, build_method
 from ..generate import full_kv_bytes
 from ..perturbation import measure, run_prefill
 from ..provenance import sha256_files, sha256_text
@@ -32,19 +33,35 @@ from .. import CONF_DIR
 WINDOW_METHODS = ("snapkv", "pyramidkv", "adakv")
 
 
-def parse_variant(text: str):
-    """``name[:key=value,...]`` -> the selection config: conf/selection/<name>.yaml with the changes."""
-    name, _, changes = str(text).partition(":")
-    path = CONF_DIR / "selection" / f"{name}.yaml"
+def load_group(group: str, name: str, text: str):
+    path = CONF_DIR / group / f"{name}.yaml"
     if not path.exists():
-        raise ValueError(f"benchmark.selections: no selection {name!r} (from {text!r})")
-    sel = OmegaConf.load(path)
+        raise ValueError(f"benchmark.selections: no {group} {name!r} (from {text!r})")
+    return OmegaConf.load(path)
+
+
+def parse_variant(text: str, run_method) -> dict:
+    """A variant label -> the ``method`` and ``selection`` configs it runs with:
+    ``selection[:key=value,...]`` (the run's method), ``method/selection[:...]`` (another method with
+    its default knobs), or ``method[:...]`` for a method that needs no selection (e.g. ``laprox``;
+    the changes then apply to the method)."""
+    spec, _, changes = str(text).partition(":")
+    method_name, _, name = spec.rpartition("/")
+    if not method_name and name in METHODS_WITHOUT_SELECTION:
+        method, selection, changed = load_group("method", name, text), None, "method"
+    else:
+        method = load_group("method", method_name, text) if method_name else run_method
+        selection, changed = load_group("selection", name, text), "selection"
+    if method.name not in WINDOW_METHODS + ("laprox",):
+        raise ValueError(f"benchmark.selections: {text!r} uses method {method.name}; the analysis compares "
+                         f"{', '.join(WINDOW_METHODS)} and laprox")
+    target = method if changed == "method" else selection
     for change in filter(None, changes.split(",")):
         key, _, value = change.partition("=")
-        if key not in sel or key == "name":
-            raise ValueError(f"benchmark.selections: {text!r} changes {key!r}, not a knob of selection {name}")
-        sel[key] = yaml.safe_load(value)
-    return sel
+        if key not in target or key == "name":
+            raise ValueError(f"benchmark.selections: {text!r} changes {key!r}, not a knob of {changed} {target.name}")
+        target[key] = yaml.safe_load(value)
+    return {"method": method, **({"selection": selection} if selection is not None else {})}
 
 
 class Perturbation(Benchmark):
@@ -63,7 +80,7 @@ class Perturbation(Benchmark):
         return {(label, b): self.method_for(label, b) for label in self.labels for b in self.budgets}
 
     def method_for(self, label: str, budget: int):
-        return build_method(self.config_with(budget=budget, selection=parse_variant(label)))
+        return build_method(self.config_with(budget=budget, **parse_variant(label, self.run_cfg.method)))
 
     def config_with(self, **groups):
         """A copy of the run's config with some top-level entries replaced."""
@@ -77,9 +94,7 @@ class Perturbation(Benchmark):
                              f"{', '.join(WINDOW_METHODS)}, not {self.run_cfg.method.name}")
         if len(self.labels) < 2 or len(set(self.labels)) != len(self.labels):
             raise ValueError(f"benchmark.selections={self.labels}: give at least two different variants")
-        for label in self.labels:
-            parse_variant(label)
-        window = self.run_cfg.method.window
+        window = max(parse_variant(label, self.run_cfg.method)["method"].window for label in self.labels)
         if any(b < window for b in self.budgets):
             raise ValueError(f"benchmark.budgets {list(self.cfg.budgets)}: each must hold the window ({window})")
         if self.cfg.source == "longbench":
@@ -119,7 +134,8 @@ class Perturbation(Benchmark):
         main = ctx.cfg.budget
         candidate = self.labels[1]
         methods = self.methods
-        assumption = next((m for (label, b), m in methods.items() if b == main and hasattr(m.selection, "stage1")), None)
+        assumption = next((m for (label, b), m in methods.items()
+                           if b == main and hasattr(getattr(m, "selection", None), "stage1")), None)
         ids = self.encode(sample, ctx.tokenizer, ctx.cfg.model).context
         start = time.perf_counter()
         prefill = run_prefill(ctx.model, ids, methods, assumption)

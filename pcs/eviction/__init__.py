@@ -1,11 +1,13 @@
 """Eviction methods and their registry: ``build_method(cfg)`` is the only place that reads method names."""
 from __future__ import annotations
 
+from .laprox import LaProx
 from .methods import (FullCache, LayerState, StreamingLLM, WindowEviction, adaptive_allocator,
                       pyramid_allocator, uniform_allocator)
 from .selection import AttentionSelection, PerturbationSelection
 
-METHODS = ("full", "streamingllm", "snapkv", "pyramidkv", "adakv")
+METHODS = ("full", "streamingllm", "snapkv", "pyramidkv", "adakv", "laprox")
+METHODS_WITHOUT_SELECTION = ("full", "streamingllm", "laprox")    # they rank entries by their own rule, or not at all
 SELECTIONS = ("attention", "perturbation")
 
 
@@ -23,6 +25,9 @@ def build_method(cfg):
         return FullCache()
     if m.name == "streamingllm":
         return StreamingLLM(budget=budget, sinks=m.sinks)
+    if m.name == "laprox":
+        return LaProx(budget=budget, window=m.window, kernel=m.kernel, gqa=m.gqa, pool_on=m.pool_on,
+                      scope=m.scope, sinks=m.sinks)
     allocators = {
         "snapkv": lambda: uniform_allocator(budget, m.window),
         "pyramidkv": lambda: pyramid_allocator(budget, m.window, m.beta),
@@ -32,5 +37,5 @@ def build_method(cfg):
                           allocator=allocators[m.name](), selection=build_selection(cfg.selection))
 
 
-__all__ = ["METHODS", "SELECTIONS", "LayerState", "build_method", "FullCache", "StreamingLLM",
+__all__ = ["METHODS", "METHODS_WITHOUT_SELECTION", "SELECTIONS", "LaProx", "LayerState", "build_method", "FullCache", "StreamingLLM",
            "WindowEviction"]

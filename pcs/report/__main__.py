@@ -85,7 +85,7 @@ def savings_section(df, out: Path) -> list[str]:
 
 
 def build(results: Path, out: Path, with_paper: bool = False) -> Path:
-    from .tables import write_tables
+    from .tables import write_method_comparisons, write_tables
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"# Report: {results}", ""]
     try:
@@ -94,7 +94,13 @@ def build(results: Path, out: Path, with_paper: bool = False) -> Path:
         df = None
     if df is not None:
         tables = write_tables(df, out, paper_tables() if with_paper else None)
-        lines += ["# Tables", ""] + [tables[name] for name in sorted(tables)] + savings_section(df, out)
+        lines += ["# Tables", ""] + [tables[name] for name in sorted(tables)]
+        comparisons = write_method_comparisons(df, out)
+        if comparisons:
+            lines += ["# Methods side by side", "", "Average score per method and selection (w/o: attention, "
+                      "w/: perturbation selection; LaProx and StreamingLLM use none).", ""]
+            lines += [comparisons[name] for name in sorted(comparisons)]
+        lines += savings_section(df, out)
     if results.is_dir():
         lines += needle_section(results, out) + perturbation_section(results, out)
     if len(lines) == 2:

@@ -16,9 +16,9 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from ..config import group_overrides
+from ..eviction import METHODS_WITHOUT_SELECTION
 
 COLUMNS = ["table", "benchmark", "model", "method", "selection", "budget", "domain", "score", "run_dir", "variant"]
-NO_SELECTION = ("full", "streamingllm")
 
 
 def paper_tables() -> pd.DataFrame:
@@ -54,7 +54,7 @@ def expand_full_rows(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def selection_label(cfg) -> str:
-    if cfg.method.name in NO_SELECTION or "selection" not in cfg:
+    if cfg.method.name in METHODS_WITHOUT_SELECTION or "selection" not in cfg:
         return "none"
     knobs = group_overrides(cfg, "selection")
     return "_".join([cfg.selection.name] + knobs)

@@ -84,7 +84,8 @@ def run_label(run_dir: Path) -> str:
 
 
 def needle_comparison(run_dirs: list[Path], path: Path, budget: int) -> Path | None:
-    """Rows: methods; columns: without and with perturbation selection, at one budget."""
+    """Rows: methods; columns: without and with perturbation selection, at one budget (a method
+    without selection, such as LaProx, fills the first column of its row)."""
     cells = {}
     for run_dir in run_dirs:
         cfg = OmegaConf.load(run_dir / "config.yaml")
@@ -92,20 +93,20 @@ def needle_comparison(run_dirs: list[Path], path: Path, budget: int) -> Path | N
             continue
         cells[(cfg.method.name, selection_label(cfg))] = run_dir
     methods = list(dict.fromkeys(m for m, _ in cells))
-    selections = sorted({s for _, s in cells}, key=lambda s: (s != "attention", s))
+    selections = sorted({s for _, s in cells if s != "none"}, key=lambda s: (s != "attention", s))
     if not methods or len(selections) < 2:
         return None
     fig, axes = plt.subplots(len(methods), len(selections), figsize=(4.6 * len(selections), 3.6 * len(methods)),
                              squeeze=False, constrained_layout=True)
     image = None
     for i, method in enumerate(methods):
-        for j, selection in enumerate(selections):
-            ax = axes[i][j]
-            if (method, selection) not in cells:
+        row = [(method, "none")] if (method, "none") in cells else [(method, s) for s in selections]
+        for j, ax in enumerate(axes[i]):
+            if j >= len(row) or row[j] not in cells:
                 ax.axis("off")
                 continue
-            metrics = json.loads((cells[(method, selection)] / "metrics.json").read_text())
-            image = draw_heatmap(ax, metrics, f"{method}, {selection}")
+            metrics = json.loads((cells[row[j]] / "metrics.json").read_text())
+            image = draw_heatmap(ax, metrics, method if row[j][1] == "none" else f"{method}, {row[j][1]}")
     fig.colorbar(image, ax=axes.ravel().tolist(), label="score")
     fig.suptitle(f"Needle-in-a-Haystack at budget {budget}")
     fig.savefig(path, dpi=110)

@@ -137,3 +137,51 @@ def write_tables(df: pd.DataFrame, out: Path, paper: pd.DataFrame | None = None)
         wide_csv(blocks).to_csv(folder / f"{name}.csv", index=False)
         written[name] = text
     return written
+
+
+def method_comparisons(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """Every method side by side: per benchmark, model and variant of measured runs with two or more
+    methods, one row per method and selection, one column per budget, the average score."""
+    measured = df[(df["domain"] == "average") & df["run_dir"].notna()]
+    tables = {}
+    for (benchmark, model, variant), group in measured.groupby(["benchmark", "model", "variant"], sort=True):
+        compressed = group[group["method"] != "full"]
+        if compressed["method"].nunique() < 2:
+            continue
+        wide = (compressed.drop_duplicates(["method", "selection", "budget"])
+                .pivot(index=["method", "selection"], columns="budget", values="score"))
+        wide.columns = [f"b{int(b)}" for b in wide.columns]
+        full = group[group["method"] == "full"]
+        wide.insert(0, "full", float(full["score"].iloc[0]) if not full.empty else None)
+        name = "_".join(filter(None, ["methods", benchmark, model, variant]))
+        tables[name] = wide.reset_index()
+    return tables
+
+
+def comparison_markdown(name: str, table: pd.DataFrame) -> str:
+    """Markdown of one method comparison; the best score of each budget column in bold."""
+    budgets = [c for c in table.columns if c.startswith("b")]
+    lines = [f"## {name}", "", "| method | selection | " + " | ".join(["Full"] + budgets) + " |",
+             "|---|---|" + "---:|" * (len(budgets) + 1)]
+    best = {b: table[b].max() for b in budgets}
+    for _, row in table.iterrows():
+        cells = ["-" if pd.isna(row["full"]) else f"{row['full']:.2f}"]
+        for b in budgets:
+            value = row[b]
+            cells.append("-" if pd.isna(value) else (f"**{value:.2f}**" if value == best[b] else f"{value:.2f}"))
+        selection = SELECTION_NAMES.get(row["selection"], row["selection"]) or "-"
+        lines.append(f"| {row['method']} | {selection} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_method_comparisons(df: pd.DataFrame, out: Path) -> dict[str, str]:
+    """``out/tables/methods_<benchmark>_<model>[_variant].{md,csv}``; returns name -> Markdown."""
+    folder = Path(out) / "tables"
+    folder.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for name, table in method_comparisons(df).items():
+        text = comparison_markdown(name, table)
+        (folder / f"{name}.md").write_text(text)
+        table.to_csv(folder / f"{name}.csv", index=False)
+        written[name] = text
+    return written
