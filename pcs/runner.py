@@ -104,7 +104,7 @@ def execute(cfg: DictConfig, benchmark, run_dir: Path) -> dict:
     """Generate the missing samples of a locked run folder, then its metrics."""
     method = build_method(cfg)
     if not method.uses_selection:
-        print(f"[pcs] method={cfg.method.name} keeps entries without scores: selection is not used")
+        print(f"[pcs] method={cfg.method.name} has its own rule: selection={cfg.selection.name} is not used")
 
     started, started_at = time.time(), now()
     model, tokenizer = load_model(cfg.model)

@@ -1,5 +1,6 @@
-"""``python -m pcs.report --results PATH --out DIR [--paper]``: the paper's tables, budget savings,
-needle heatmaps and perturbation-analysis figures from a results folder or a tidy CSV.
+"""``python -m pcs.report --results PATH --out DIR [--paper] [--resamples N --seed S]``: the paper's tables,
+significance of every selection difference, budget savings with intervals, needle heatmaps and
+perturbation-analysis figures from a results folder or a tidy CSV.
 
 PATH is a folder of run folders (any depth) or a CSV with columns model, method, selection, budget,
 score (and optionally domain, table), such as the paper's own numbers, shipped as
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+
+import pandas as pd
 import shutil
 import sys
 from pathlib import Path
@@ -19,6 +22,7 @@ from omegaconf import OmegaConf
 from .collect import collect, paper_tables, run_folders
 from .figures import needle_comparison, needle_heatmap, savings_plot
 from .savings import savings
+from .significance import RESAMPLES, SEED, savings_intervals, significance
 
 
 def leaf(run_dir: Path) -> str:
@@ -67,24 +71,54 @@ def perturbation_section(results: Path, out: Path) -> list[str]:
     return lines + [""] + figures + [""]
 
 
-def savings_section(df, out: Path) -> list[str]:
+def significance_section(results: Path, out: Path, resamples: int, seed: int):
+    """``significance.csv`` and its summary: every pair of runs that differ only in selection."""
+    table = significance(run_folders(results), resamples=resamples, seed=seed)
+    table.to_csv(out / "significance.csv", index=False)
+    if table.empty:
+        return table, []
+    lines = ["## Significance", "",
+             f"Paired bootstrap over samples ({resamples} resamples, seed {seed}; LongBench resampled within tasks). "
+             "delta = candidate minus attention-only selection; * marks an interval that excludes zero.", "",
+             "| model | benchmark | method | budget | selection | domain | n | delta | 95 % interval | p |",
+             "|---|---|---|---:|---|---|---:|---:|---|---:|"]
+    for _, r in table.iterrows():
+        if r["note"]:
+            lines.append(f"| {r['model']} | {r['benchmark']} | {r['method']} | {r['budget']} | {r['selection']} | "
+                         f"{r['domain']} | - | - | {r['note']} | - |")
+            continue
+        star = "*" if r["ci_low"] > 0 or r["ci_high"] < 0 else ""
+        lines.append(f"| {r['model']} | {r['benchmark']} | {r['method']} | {r['budget']} | {r['selection']} | "
+                     f"{r['domain']} | {r['n']} | {r['delta']:+.2f}{star} | [{r['ci_low']:+.2f}, {r['ci_high']:+.2f}] | "
+                     f"{r['p_value']:.3f} |")
+    return table, lines + [""]
+
+
+def savings_section(df, out: Path, with_intervals: bool, resamples: int, seed: int) -> list[str]:
     saved = savings(df)
+    if with_intervals and not saved.empty:
+        saved = savings_intervals(saved, df, resamples=resamples, seed=seed)
     saved.to_csv(out / "savings.csv", index=False)
     if saved.empty:
         return ["## Budget savings", "", "No model x method has both selections at two or more budgets.", ""]
     savings_plot(df, saved, out / "savings.png")
     lines = ["## Budget savings", "",
              "Budget attention-only selection would need to match perturbation selection (linear interpolation "
-             "between measured budgets; saving = 1 - b / b_equivalent).", "",
-             "| table | model | method | budget | score | equivalent budget | saving |", "|---|---|---|---:|---:|---:|---:|"]
+             "between measured budgets; saving = 1 - b / b_equivalent). The intervals resample the samples "
+             "behind every point of the curve together (95 %, paired bootstrap).", "",
+             "| table | model | method | budget | score | equivalent budget | saving | saving 95 % interval |",
+             "|---|---|---|---:|---:|---:|---:|---|"]
     for _, r in saved.iterrows():
         eq = r["note"] if r["equivalent_budget"] is None or r["note"] else f"{r['equivalent_budget']:.1f}"
         pct = "-" if r["note"] else f"{r['savings_pct']:.1f} %"
-        lines.append(f"| {r['table']} | {r['model']} | {r['method']} | {r['budget']} | {r['score']:.2f} | {eq} | {pct} |")
+        low, high = r.get("savings_pct_ci_low"), r.get("savings_pct_ci_high")
+        interval = "-" if low is None or pd.isna(low) else f"[{low:.1f}, {high:.1f}] %"
+        lines.append(f"| {r['table']} | {r['model']} | {r['method']} | {r['budget']} | {r['score']:.2f} | {eq} | "
+                     f"{pct} | {interval} |")
     return lines + ["", "![savings](savings.png)", ""]
 
 
-def build(results: Path, out: Path, with_paper: bool = False) -> Path:
+def build(results: Path, out: Path, with_paper: bool = False, resamples: int = RESAMPLES, seed: int = SEED) -> Path:
     from .tables import write_method_comparisons, write_tables
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"# Report: {results}", ""]
@@ -92,15 +126,17 @@ def build(results: Path, out: Path, with_paper: bool = False) -> Path:
         df = collect(results)
     except FileNotFoundError:
         df = None
+    tested, tested_lines = (significance_section(results, out, resamples, seed) if results.is_dir()
+                            else (None, []))
     if df is not None:
-        tables = write_tables(df, out, paper_tables() if with_paper else None)
+        tables = write_tables(df, out, paper_tables() if with_paper else None, tested)
         lines += ["# Tables", ""] + [tables[name] for name in sorted(tables)]
         comparisons = write_method_comparisons(df, out)
         if comparisons:
             lines += ["# Methods side by side", "", "Average score per method and selection (w/o: attention, "
                       "w/: perturbation selection; LaProx and StreamingLLM use none).", ""]
             lines += [comparisons[name] for name in sorted(comparisons)]
-        lines += savings_section(df, out)
+        lines += tested_lines + savings_section(df, out, results.is_dir(), resamples, seed)
     if results.is_dir():
         lines += needle_section(results, out) + perturbation_section(results, out)
     if len(lines) == 2:
@@ -115,10 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, required=True, help="results folder or tidy CSV")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--paper", action="store_true", help="show the paper's value and the difference per cell")
+    parser.add_argument("--resamples", type=int, default=RESAMPLES, help="bootstrap resamples (default 10000)")
+    parser.add_argument("--seed", type=int, default=SEED, help="bootstrap seed")
     args = parser.parse_args(argv)
     if not args.results.exists():
         parser.error(f"--results {args.results} does not exist")
-    print(f"[pcs] report: {build(args.results, args.out, args.paper)}")
+    print(f"[pcs] report: {build(args.results, args.out, args.paper, args.resamples, args.seed)}")
     return 0
 
 

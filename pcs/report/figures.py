@@ -34,12 +34,18 @@ def savings_plot(df: pd.DataFrame, saved: pd.DataFrame, path: Path) -> Path:
                         arrowprops={"arrowstyle": "->", "color": colours[row["model"]], "lw": 1})
             ax.annotate(f"{row['savings_pct']:.1f} %", (row["equivalent_budget"], row["score"]),
                         textcoords="offset points", xytext=(4, -10), fontsize=8, color=colours[row["model"]])
+            low, high = row.get("equivalent_budget_ci_low"), row.get("equivalent_budget_ci_high")
+            if low is not None and not pd.isna(low):     # the bootstrap interval of the equivalent budget
+                eq = row["equivalent_budget"]
+                ax.errorbar([eq], [row["score"]], xerr=[[max(0.0, eq - low)], [max(0.0, high - eq)]], fmt="none",
+                            ecolor=colours[row["model"]], capsize=3, lw=1)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("budget (entries per KV head)")
         ax.set_ylabel("average score")
         ax.set_title(method)
         ax.legend(fontsize=7)
-    fig.suptitle("Budget attention-only selection needs to match perturbation selection (arrows: savings)")
+    fig.suptitle("Budget attention-only selection needs to match perturbation selection\n"
+                 "(arrows: savings; bars: 95 % bootstrap interval of the equivalent budget)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -29,17 +29,32 @@ def columns_of(df: pd.DataFrame) -> list[tuple]:
                          key=lambda c: (c[0], selection_key(c[1])))
 
 
-def cell_value(df: pd.DataFrame, model: str, domain: str, col: tuple):
+def cell_row(df: pd.DataFrame, model: str, domain: str, col: tuple):
     if col[0] == "full":
         hit = df[(df["model"] == model) & (df["method"] == "full") & (df["domain"] == domain)]
     else:
         hit = df[(df["model"] == model) & (df["method"] != "full") & (df["budget"] == col[0])
                  & (df["selection"] == col[1]) & (df["domain"] == domain)]
-    return None if hit.empty else float(hit["score"].iloc[0])
+    return None if hit.empty else hit.iloc[0]
 
 
-def block(df: pd.DataFrame, model: str, paper: pd.DataFrame | None = None) -> list[dict]:
-    """Rows of one model's block: domain, then per column the value, its paper value, and bold."""
+def cell_value(df: pd.DataFrame, model: str, domain: str, col: tuple):
+    row = cell_row(df, model, domain, col)
+    return None if row is None else float(row["score"])
+
+
+def significant_cells(tested: pd.DataFrame | None) -> set[tuple[str, str]]:
+    """(run folder, domain) of every difference to attention-only selection whose interval excludes zero."""
+    if tested is None or tested.empty:
+        return set()
+    hits = tested[(tested["note"] == "") & ((tested["ci_low"] > 0) | (tested["ci_high"] < 0))]
+    return set(zip(hits["run_dir"], hits["domain"]))
+
+
+def block(df: pd.DataFrame, model: str, paper: pd.DataFrame | None = None,
+          significant: set[tuple[str, str]] = frozenset()) -> list[dict]:
+    """Rows of one model's block: domain, then per column the value, its paper value, bold, and
+    whether its difference to the same budget's attention-only cell is significant."""
     cols = columns_of(df)
     domains = [d for d in DOMAINS if (df["domain"] == d).any()] + \
               sorted(set(df["domain"]) - set(DOMAINS))
@@ -48,11 +63,12 @@ def block(df: pd.DataFrame, model: str, paper: pd.DataFrame | None = None) -> li
     for domain in domains:
         cells = {}
         for col in cols:
-            value = cell_value(df, model, domain, col)
+            row = cell_row(df, model, domain, col)
             ref = None
             if paper is not None:
                 ref = cell_value(paper[paper["method"].isin([method, "full"])], model, domain, col)
-            cells[col] = {"value": value, "paper": ref, "bold": False}
+            cells[col] = {"value": None if row is None else float(row["score"]), "paper": ref, "bold": False,
+                          "significant": row is not None and (row["run_dir"], domain) in significant}
         for budget in {c[0] for c in cols if c[0] != "full"}:
             group = [c for c in cols if c[0] == budget and cells[c]["value"] is not None]
             if len(group) >= 2:
@@ -76,6 +92,8 @@ def fmt(cell: dict, bold: tuple[str, str], with_paper: bool) -> str:
     text = f"{cell['value']:.2f}"
     if cell["bold"]:
         text = f"{bold[0]}{text}{bold[1]}"
+    if cell.get("significant"):
+        text += bold[2]
     if with_paper and cell["paper"] is not None:
         text += f" ({cell['paper']:.2f}, {cell['value'] - cell['paper']:+.2f})"
     return text
@@ -85,12 +103,15 @@ def markdown(name: str, blocks: dict[str, list[dict]], with_paper: bool) -> str:
     lines = [f"## {name}", ""]
     if with_paper:
         lines += ["Each cell: measured (paper, measured - paper).", ""]
+    if any(c.get("significant") for rows in blocks.values() for r in rows for c in r["cells"].values()):
+        lines += ["\\*: the 95 % paired bootstrap interval of the difference to w/o excludes zero "
+                  "(significance.csv).", ""]
     for model, rows in blocks.items():
         cols = list(rows[0]["cells"])
         lines += [f"**{model}**", "", "| Domain | " + " | ".join(header(c) for c in cols) + " |",
                   "|---|" + "---:|" * len(cols)]
         lines += ["| " + DOMAIN_NAMES.get(r["domain"], r["domain"]) + " | "
-                  + " | ".join(fmt(r["cells"][c], ("**", "**"), with_paper) for c in cols) + " |" for r in rows]
+                  + " | ".join(fmt(r["cells"][c], ("**", "**", "\\*"), with_paper) for c in cols) + " |" for r in rows]
         lines.append("")
     return "\n".join(lines)
 
@@ -104,7 +125,7 @@ def latex(name: str, blocks: dict[str, list[dict]], with_paper: bool) -> str:
         out += [r"\midrule", rf"\multicolumn{{{len(cols) + 1}}}{{l}}{{\textit{{{model.replace('_', chr(92) + '_')}}}}} \\",
                 r"\midrule"]
         for r in rows:
-            cells = [fmt(r["cells"].get(c, {"value": None}), (r"\textbf{", "}"), with_paper) for c in cols]
+            cells = [fmt(r["cells"].get(c, {"value": None}), (r"\textbf{", "}", r"$^{*}$"), with_paper) for c in cols]
             out.append(DOMAIN_NAMES.get(r["domain"], r["domain"]).replace("_", r"\_") + " & " + " & ".join(cells) + r" \\")
     out += [r"\bottomrule", r"\end{tabular}", ""]
     return "\n".join(out)
@@ -124,13 +145,16 @@ def wide_csv(blocks: dict[str, list[dict]]) -> pd.DataFrame:
     return pd.DataFrame(records)
 
 
-def write_tables(df: pd.DataFrame, out: Path, paper: pd.DataFrame | None = None) -> dict[str, str]:
-    """One Markdown, CSV and LaTeX file per table under ``out/tables``; returns table -> Markdown."""
+def write_tables(df: pd.DataFrame, out: Path, paper: pd.DataFrame | None = None,
+                 tested: pd.DataFrame | None = None) -> dict[str, str]:
+    """One Markdown, CSV and LaTeX file per table under ``out/tables``; returns table -> Markdown.
+    ``tested`` (significance rows) marks cells whose difference to w/o is significant."""
+    significant = significant_cells(tested)
     folder = Path(out) / "tables"
     folder.mkdir(parents=True, exist_ok=True)
     written = {}
     for name, group in df.groupby("table", sort=True):
-        blocks = {model: block(group, model, paper) for model in group["model"].unique()}
+        blocks = {model: block(group, model, paper, significant) for model in group["model"].unique()}
         text = markdown(name, blocks, paper is not None)
         (folder / f"{name}.md").write_text(text + "\n")
         (folder / f"{name}.tex").write_text(latex(name, blocks, paper is not None))

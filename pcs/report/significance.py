@@ -1,0 +1,209 @@
+"""Paired bootstrap intervals: is a "with vs without selection" difference, or a budget saving, real?
+
+Two runs that differ only in ``selection`` score the same samples, so the per-sample differences
+(candidate minus attention, paired by ``id``) carry the comparison. A bootstrap replicate resamples
+samples with replacement, within strata: LongBench's score is the mean of its task scores, so each
+task is resampled on its own and the replicate is the mean of task means (a domain's, over its
+tasks), which keeps the benchmark's weighting; other benchmarks are one stratum. The interval is the
+replicates' 2.5 and 97.5 percentiles (for 95 %); ``p_value`` is twice the smaller share of
+replicates on either side of zero (capped at 1). A fixed seed makes the report reproducible.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from omegaconf import OmegaConf
+
+from ..benchmarks.longbench_data import DOMAINS
+from .savings import equivalent_budget
+
+RESAMPLES, SEED, LEVEL = 10_000, 0, 0.95
+CHUNK = 1_000   # replicates drawn at a time, to bound memory on large runs
+
+
+class UnpairedError(ValueError):
+    """Two runs whose samples differ cannot be compared sample by sample."""
+
+
+@dataclass
+class Interval:
+    n: int
+    delta: float
+    ci_low: float
+    ci_high: float
+    p_value: float
+
+    @property
+    def excludes_zero(self) -> bool:
+        return self.ci_low > 0 or self.ci_high < 0
+
+
+def stratified_mean(values: np.ndarray, strata: list[np.ndarray]) -> float:
+    """The benchmark's aggregate: the mean over strata of each stratum's mean."""
+    return float(np.mean([values[s].mean() for s in strata]))
+
+
+def replicates(values: np.ndarray, strata: list[np.ndarray], resamples: int, rng: np.random.Generator) -> np.ndarray:
+    """(resamples, k) stratified bootstrap replicates of ``stratified_mean`` for the k columns of
+    ``values`` (n, k), with the same resampled samples for every column (paired)."""
+    out = np.empty((resamples, values.shape[1]))
+    for start in range(0, resamples, CHUNK):
+        r = min(CHUNK, resamples - start)
+        total = np.zeros((r, values.shape[1]))
+        for members in strata:
+            picks = members[rng.integers(0, len(members), size=(r, len(members)))]    # (r, n_s)
+            total += values[picks].mean(axis=1)
+        out[start:start + r] = total / len(strata)
+    return out
+
+
+def percentile_interval(draws: np.ndarray, level: float = LEVEL) -> tuple[float, float]:
+    tail = 100 * (1 - level) / 2
+    low, high = np.percentile(draws, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def paired_bootstrap(differences, strata: list[np.ndarray] | None = None, resamples: int = RESAMPLES,
+                     seed: int = SEED, level: float = LEVEL) -> Interval:
+    """Interval and two-sided p-value of the (stratified) mean of paired ``differences``."""
+    d = np.asarray(differences, dtype=float)
+    strata = strata or [np.arange(len(d))]
+    draws = replicates(d[:, None], strata, resamples, np.random.default_rng(seed))[:, 0]
+    low, high = percentile_interval(draws, level)
+    p = min(1.0, 2 * min(float((draws <= 0).mean()), float((draws >= 0).mean())))
+    return Interval(len(d), stratified_mean(d, strata), low, high, p)
+
+
+def run_scores(run_dir: Path) -> pd.DataFrame:
+    """A finished run's per-sample scores: columns ``id``, ``score`` and ``stratum`` (LongBench's task)."""
+    path = Path(run_dir) / "predictions.jsonl"
+    if not path.exists():
+        raise ValueError(f"{run_dir}: no predictions.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+    frame = pd.DataFrame({"id": [r["id"] for r in rows], "score": [r.get("score") for r in rows],
+                          "stratum": [r.get("task", "") for r in rows]})
+    if frame["score"].isna().any():
+        raise ValueError(f"{run_dir}: some samples have no score (AlpacaEval is judged over the whole set)")
+    return frame
+
+
+def paired(runs: list[pd.DataFrame]) -> pd.DataFrame:
+    """Scores of several runs side by side (columns 0..k-1), one row per shared id; refuses runs whose
+    sample ids differ, since pairing them would compare different samples."""
+    ids = [set(r["id"]) for r in runs]
+    if any(i != ids[0] for i in ids[1:]) or any(r["id"].duplicated().any() for r in runs):
+        differ = len(set.union(*ids) - set.intersection(*ids))
+        raise UnpairedError(f"the runs do not score the same samples ({differ} ids are not in all of them)")
+    order = runs[0][["id", "stratum"]]
+    columns = {i: r.set_index("id").loc[order["id"], "score"].to_numpy(dtype=float) for i, r in enumerate(runs)}
+    return pd.DataFrame({"id": order["id"].to_numpy(), "stratum": order["stratum"].to_numpy(), **columns})
+
+
+def strata_of(table: pd.DataFrame, tasks: list[str] | None = None) -> list[np.ndarray]:
+    """Row indices per stratum (LongBench task), optionally only of ``tasks``."""
+    groups = table.groupby("stratum", sort=True).indices
+    return [np.asarray(rows) for task, rows in groups.items() if tasks is None or task in tasks]
+
+
+def domains_of(table: pd.DataFrame) -> dict[str, list[np.ndarray]]:
+    """``average`` over every stratum, plus LongBench's domains present in the run."""
+    out = {"average": strata_of(table)}
+    tasks = set(table["stratum"])
+    if tasks != {""}:
+        for domain, members in DOMAINS.items():
+            if tasks & set(members):
+                out[domain] = strata_of(table, members)
+    return out
+
+
+SIGNIFICANCE_COLUMNS = ["model", "benchmark", "method", "budget", "selection", "domain", "n", "delta", "ci_low",
+                        "ci_high", "p_value", "note", "run_dir", "baseline_run_dir"]
+
+
+def comparison_key(run_dir: Path) -> tuple[str, str]:
+    """(what must match for two runs to be paired: the config without its selection, the selection label)."""
+    from .collect import selection_label
+    cfg = OmegaConf.load(Path(run_dir) / "config.yaml")
+    label = selection_label(cfg)
+    data = OmegaConf.to_container(cfg)
+    data.pop("selection", None)
+    return json.dumps(data, sort_keys=True), label
+
+
+def significance(run_dirs: list[Path], baseline: str = "attention", resamples: int = RESAMPLES,
+                 seed: int = SEED) -> pd.DataFrame:
+    """One row per (candidate run, domain) for every pair of finished runs that differ only in selection."""
+    groups: dict[str, dict[str, Path]] = {}
+    for run_dir in run_dirs:
+        key, label = comparison_key(run_dir)
+        groups.setdefault(key, {})[label] = run_dir
+    rows = []
+    for by_label in groups.values():
+        if baseline not in by_label:
+            continue
+        for label, run_dir in sorted(by_label.items()):
+            if label == baseline:
+                continue
+            rows += pair_rows(by_label[baseline], run_dir, label, resamples, seed)
+    return pd.DataFrame(rows, columns=SIGNIFICANCE_COLUMNS)
+
+
+def pair_rows(base_dir: Path, cand_dir: Path, label: str, resamples: int, seed: int) -> list[dict]:
+    cfg = OmegaConf.load(cand_dir / "config.yaml")
+    common = {"model": cfg.model.name, "benchmark": cfg.benchmark.name, "method": cfg.method.name,
+              "budget": cfg.get("budget"), "selection": label, "run_dir": str(cand_dir),
+              "baseline_run_dir": str(base_dir)}
+    try:
+        table = paired([run_scores(base_dir), run_scores(cand_dir)])
+    except ValueError as err:      # unpaired, or no per-sample scores: reported, never paired silently
+        return [{**common, "domain": "average", "n": None, "note": str(err)}]
+    difference = (table[1] - table[0]).to_numpy()
+    return [{**common, "domain": domain, **vars(paired_bootstrap(difference, strata, resamples, seed)), "note": ""}
+            for domain, strata in domains_of(table).items()]
+
+
+SAVINGS_CI_COLUMNS = ["equivalent_budget_ci_low", "equivalent_budget_ci_high", "savings_pct_ci_low",
+                      "savings_pct_ci_high", "resamples_in_range", "ci_note"]
+
+
+def savings_intervals(saved: pd.DataFrame, df: pd.DataFrame, baseline: str = "attention",
+                      candidate: str = "perturbation", resamples: int = RESAMPLES, seed: int = SEED) -> pd.DataFrame:
+    """``saved`` (from ``savings``) with intervals on ``equivalent_budget`` and ``savings_pct``: each
+    replicate resamples the samples behind every point of the curve together (the same ids in all
+    runs) and recomputes the equivalent budget. Replicates whose score falls outside the measured
+    range have no equivalent budget; the interval is over the others (``resamples_in_range`` says how many)."""
+    out = []
+    avg = df[(df["domain"] == "average") & df["run_dir"].notna()]
+    for _, row in saved.iterrows():
+        group = avg[(avg["table"] == row["table"]) & (avg["model"] == row["model"]) & (avg["method"] == row["method"])]
+        base = group[group["selection"] == baseline].drop_duplicates("budget").sort_values("budget")
+        cand = group[(group["selection"] == candidate) & (group["budget"] == row["budget"])]
+        out.append(saving_interval(base, cand, int(row["budget"]), resamples, seed))
+    return pd.concat([saved.reset_index(drop=True), pd.DataFrame(out, columns=SAVINGS_CI_COLUMNS)], axis=1)
+
+
+def saving_interval(base: pd.DataFrame, cand: pd.DataFrame, budget: int, resamples: int, seed: int) -> dict:
+    empty = dict.fromkeys(SAVINGS_CI_COLUMNS)
+    if cand.empty or len(base) < 2:
+        return {**empty, "ci_note": "no per-sample runs behind this point"}
+    try:
+        table = paired([run_scores(Path(r)) for r in [*base["run_dir"], cand["run_dir"].iloc[0]]])
+    except ValueError as err:
+        return {**empty, "ci_note": str(err)}
+    k = len(base)
+    values = table[list(range(k + 1))].to_numpy()
+    draws = replicates(values, strata_of(table), resamples, np.random.default_rng(seed))
+    budgets = base["budget"].tolist()
+    equivalent = np.array([equivalent_budget(budgets, list(d[:k]), d[k])[0] for d in draws], dtype=float)
+    inside = equivalent[np.isfinite(equivalent)]
+    if len(inside) == 0:
+        return {**empty, "resamples_in_range": 0, "ci_note": "no resample falls inside the measured range"}
+    eq_low, eq_high = percentile_interval(inside)
+    return {"equivalent_budget_ci_low": round(eq_low, 1), "equivalent_budget_ci_high": round(eq_high, 1),
+            "savings_pct_ci_low": round(100 * (1 - budget / eq_low), 1),
+            "savings_pct_ci_high": round(100 * (1 - budget / eq_high), 1),
+            "resamples_in_range": len(inside), "ci_note": ""}
