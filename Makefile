@@ -4,7 +4,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test clean
+KVPRESS_VENV ?= .venv-kvpress
+
+.PHONY: setup run test clean compare-kvpress
 
 setup: $(STAMP)
 
@@ -24,5 +26,14 @@ run: setup
 test: setup
 	$(PY) -m pytest -q
 
+# NVIDIA's kvpress needs transformers<5.3, so it gets its own environment for the side-by-side timing.
+$(KVPRESS_VENV)/.installed:
+	python3 -m venv $(KVPRESS_VENV)
+	$(KVPRESS_VENV)/bin/pip install -q torch==2.13.0 kvpress==0.5.5
+	touch $@
+
+compare-kvpress: setup $(KVPRESS_VENV)/.installed
+	$(PY) scripts/compare_kvpress.py --kvpress-python $(KVPRESS_VENV)/bin/python
+
 clean:
-	rm -rf $(VENV) .cache
+	rm -rf $(VENV) $(KVPRESS_VENV) .cache

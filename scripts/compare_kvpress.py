@@ -6,7 +6,7 @@ environment. Each implementation runs in a worker process that loads the model o
 timing requests on stdin; this driver (run with the project's Python) sends each request to both
 workers in turn, alternating which goes first, and reports medians:
 
-    python3 -m venv .venv-kvpress && .venv-kvpress/bin/pip install torch==2.13.0 kvpress==0.5.5
+    make compare-kvpress          # builds .venv-kvpress (torch 2.13.0 CPU, kvpress 0.5.5), runs the defaults
     .venv/bin/python scripts/compare_kvpress.py --kvpress-python .venv-kvpress/bin/python \\
         --contexts 4096 8192 --repeats 3 [--json]
 
