@@ -19,7 +19,7 @@ def method_for(name, budget, selection="perturbation", window=8):
     return build_method(compose_cfg(*overrides))
 
 
-@pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "adakv", "streamingllm"])
+@pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "adakv", "streamingllm", "laprox"])
 def test_cache_stays_bounded_over_a_long_generation(name):
     model = tiny_model("llama")
     torch.manual_seed(0)
