@@ -80,16 +80,16 @@ def significance_section(results: Path, out: Path, resamples: int, seed: int):
     lines = ["## Significance", "",
              f"Paired bootstrap over samples ({resamples} resamples, seed {seed}; LongBench resampled within tasks). "
              "delta = candidate minus attention-only selection; * marks an interval that excludes zero.", "",
-             "| model | benchmark | method | budget | selection | domain | n | delta | 95 % interval | p |",
-             "|---|---|---|---:|---|---|---:|---:|---|---:|"]
+             "| model | benchmark | method | budget | knobs | selection | domain | n | delta | 95 % interval | p |",
+             "|---|---|---|---:|---|---|---|---:|---:|---|---:|"]
     for _, r in table.iterrows():
         if r["note"]:
-            lines.append(f"| {r['model']} | {r['benchmark']} | {r['method']} | {r['budget']} | {r['selection']} | "
-                         f"{r['domain']} | - | - | {r['note']} | - |")
+            lines.append(f"| {r['model']} | {r['benchmark']} | {r['method']} | {r['budget']} | {r['variant']} | "
+                         f"{r['selection']} | {r['domain']} | - | - | {r['note']} | - |")
             continue
         star = "*" if r["ci_low"] > 0 or r["ci_high"] < 0 else ""
-        lines.append(f"| {r['model']} | {r['benchmark']} | {r['method']} | {r['budget']} | {r['selection']} | "
-                     f"{r['domain']} | {r['n']} | {r['delta']:+.2f}{star} | [{r['ci_low']:+.2f}, {r['ci_high']:+.2f}] | "
+        lines.append(f"| {r['model']} | {r['benchmark']} | {r['method']} | {r['budget']} | {r['variant']} | "
+                     f"{r['selection']} | {r['domain']} | {r['n']} | {r['delta']:+.2f}{star} | [{r['ci_low']:+.2f}, {r['ci_high']:+.2f}] | "
                      f"{r['p_value']:.3f} |")
     return table, lines + [""]
 

@@ -60,14 +60,21 @@ def selection_label(cfg) -> str:
     return "_".join([cfg.selection.name] + knobs)
 
 
+def setting_knobs(cfg) -> list[str]:
+    """``key=value`` of every non-default model or benchmark knob, and the decoding-time trigger: what
+    sets a run apart from others of its method beyond selection and budget."""
+    knobs = [kv for g in ("model", "benchmark") for kv in group_overrides(cfg, g)]
+    if cfg.get("compress", {}).get("trigger") is not None:
+        knobs.append(f"trigger={cfg.compress.trigger}")
+    return knobs
+
+
 def run_rows(run_dir: Path) -> list[dict]:
     cfg = OmegaConf.load(run_dir / "config.yaml")
     metrics = json.loads((run_dir / "metrics.json").read_text())
     if metrics.get("score") is None or cfg.benchmark.name == "perturbation":
         return []   # not scored yet (AlpacaEval before judging), or an analysis with its own section
-    base = [kv for g in ("model", "benchmark") for kv in group_overrides(cfg, g)]
-    if cfg.get("compress", {}).get("trigger") is not None:
-        base.append(f"trigger={cfg.compress.trigger}")
+    base = setting_knobs(cfg)
     method_knobs = group_overrides(cfg, "method")
     table = "_".join([cfg.benchmark.name, cfg.method.name] + method_knobs + base)
     common = {"table": None if cfg.method.name == "full" else table, "benchmark": cfg.benchmark.name,

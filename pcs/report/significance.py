@@ -19,6 +19,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from ..benchmarks.longbench_data import DOMAINS
+from ..config import group_overrides
 from .savings import equivalent_budget
 
 RESAMPLES, SEED, LEVEL = 10_000, 0, 0.95
@@ -57,7 +58,8 @@ def replicates(values: np.ndarray, strata: list[np.ndarray], resamples: int, rng
         for members in strata:
             picks = members[rng.integers(0, len(members), size=(r, len(members)))]    # (r, n_s)
             total += values[picks].mean(axis=1)
-        out[start:start + r] = total / len(strata)
+        # Rounded far below any score's resolution, so that a replicate equal to zero is exactly zero.
+        out[start:start + r] = np.round(total / len(strata), 9)
     return out
 
 
@@ -120,7 +122,7 @@ def domains_of(table: pd.DataFrame) -> dict[str, list[np.ndarray]]:
     return out
 
 
-SIGNIFICANCE_COLUMNS = ["model", "benchmark", "method", "budget", "selection", "domain", "n", "delta", "ci_low",
+SIGNIFICANCE_COLUMNS = ["model", "benchmark", "variant", "method", "budget", "selection", "domain", "n", "delta", "ci_low",
                         "ci_high", "p_value", "note", "run_dir", "baseline_run_dir"]
 
 
@@ -153,8 +155,10 @@ def significance(run_dirs: list[Path], baseline: str = "attention", resamples: i
 
 
 def pair_rows(base_dir: Path, cand_dir: Path, label: str, resamples: int, seed: int) -> list[dict]:
+    from .collect import setting_knobs
     cfg = OmegaConf.load(cand_dir / "config.yaml")
-    common = {"model": cfg.model.name, "benchmark": cfg.benchmark.name, "method": cfg.method.name,
+    variant = "_".join(group_overrides(cfg, "method") + setting_knobs(cfg))
+    common = {"model": cfg.model.name, "benchmark": cfg.benchmark.name, "variant": variant, "method": cfg.method.name,
               "budget": cfg.get("budget"), "selection": label, "run_dir": str(cand_dir),
               "baseline_run_dir": str(base_dir)}
     try:
