@@ -7,7 +7,8 @@ compressed cache against the memory-traffic bound, KV bytes and peak memory.
 
 One process, random prompt tokens, a warm-up of every configuration, then ``--repeats`` rounds that
 each measure every configuration once (drift falls on all alike); medians. The full cache is always
-measured first, as the baseline of ``decode_speedup`` and ``decode_bound``: ``decode_bound = (weight bytes + full KV bytes) / (weight bytes + kept KV bytes)``, the speed-up a
+measured first, as the baseline of ``decode_speedup`` and ``decode_bound``:
+``decode_bound = (weight bytes + full KV bytes) / (weight bytes + kept KV bytes)``, the speed-up a
 decoding step limited by memory traffic would get from the smaller cache.
 """
 from __future__ import annotations

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .scores import group_mean, pool_scores, window_attention
+from .selection import topk_sorted
 
 SCOPES = ("model", "layer", "head")
 GQA_MODES = ("mean_of_scores", "attention_first")
@@ -44,9 +45,10 @@ def value_output_norms(values: torch.Tensor, o_proj_weight: torch.Tensor) -> tor
     w = o_proj_weight.float().view(hidden, n_q_heads, d)
     gram = torch.einsum("ohd,ohe->hde", w, w)                                  # (H_q, d, d)
     norms = torch.empty(n_q_heads, n, dtype=torch.float32, device=values.device)
-    for h in range(n_q_heads):
-        v = values[h // group].float()
-        norms[h] = ((v @ gram[h]) * v).sum(dim=-1).clamp_min(0).sqrt()
+    for g in range(n_kv_heads):
+        v = values[g].float()
+        for h in range(g * group, (g + 1) * group):
+            norms[h] = ((v @ gram[h]) * v).sum(dim=-1).clamp_min(0).sqrt()
     return norms
 
 
@@ -80,9 +82,7 @@ class LaProx:
             return None
         m = n - w
         n_kv_heads = layer.keys.shape[0]
-        valid = None
-        if layer.pad is not None:
-            valid = torch.arange(n, device=layer.keys.device)[None, :] >= layer.pad[:, None]
+        valid = layer.valid_entries()
         attn = window_attention(layer.window_queries, layer.keys, valid)[:, :, :m]     # (H_q, w, m)
         values = value_output_norms(layer.values[:, :m], layer.o_proj_weight)          # (H_q, m)
         if self.gqa == "mean_of_scores":
@@ -146,11 +146,8 @@ class LaProx:
 
 
 def top_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` highest finite-or-+inf scores of a 1-D tensor, ascending; ties go to the
-    lower index. -inf entries (padding) are never chosen."""
-    k = min(k, int((scores > float("-inf")).sum()))
-    order = torch.sort(scores, descending=True, stable=True).indices
-    return order[:k].sort().values
+    """``topk_sorted`` that never chooses a -inf entry (padding)."""
+    return topk_sorted(scores, min(k, int((scores > float("-inf")).sum())))
 
 
 def split_by_head(flat_positions: torch.Tensor, shape: tuple[int, int]) -> list[torch.Tensor]:

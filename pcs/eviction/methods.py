@@ -32,6 +32,12 @@ class LayerState:
     def n_tokens(self) -> int:
         return self.keys.shape[1]
 
+    def valid_entries(self) -> torch.Tensor | None:
+        """(H_kv, n) True for real entries when heads are padded at the front, else None."""
+        if self.pad is None:
+            return None
+        return torch.arange(self.n_tokens, device=self.keys.device)[None, :] >= self.pad[:, None]
+
 
 class FullCache:
     """Keeps everything: the reference every method is measured against."""
@@ -82,9 +88,7 @@ class WindowEviction:
         if n <= self.budget:
             return None
         m = n - w
-        valid = None
-        if layer.pad is not None:
-            valid = torch.arange(n, device=layer.keys.device)[None, :] >= layer.pad[:, None]   # (H_kv, n)
+        valid = layer.valid_entries()
         attn = window_attention(layer.window_queries, layer.keys, valid)  # (H_q, w, n)
         mean = attn[:, :, :m].mean(dim=1)                                # (H_q, m)
         pooled = pool_scores(mean, self.kernel, self.pooling)

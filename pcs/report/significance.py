@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from ..benchmarks.longbench_data import DOMAINS
 from ..config import group_overrides
+from .collect import selection_label, setting_knobs
 from .savings import equivalent_budget
 
 RESAMPLES, SEED, LEVEL = 10_000, 0, 0.95
@@ -128,7 +129,6 @@ SIGNIFICANCE_COLUMNS = ["model", "benchmark", "variant", "method", "budget", "se
 
 def comparison_key(run_dir: Path) -> tuple[str, str]:
     """(what must match for two runs to be paired: the config without its selection, the selection label)."""
-    from .collect import selection_label
     cfg = OmegaConf.load(Path(run_dir) / "config.yaml")
     label = selection_label(cfg)
     data = OmegaConf.to_container(cfg)
@@ -155,7 +155,6 @@ def significance(run_dirs: list[Path], baseline: str = "attention", resamples: i
 
 
 def pair_rows(base_dir: Path, cand_dir: Path, label: str, resamples: int, seed: int) -> list[dict]:
-    from .collect import setting_knobs
     cfg = OmegaConf.load(cand_dir / "config.yaml")
     variant = "_".join(group_overrides(cfg, "method") + setting_knobs(cfg))
     common = {"model": cfg.model.name, "benchmark": cfg.benchmark.name, "variant": variant, "method": cfg.method.name,
