@@ -8,7 +8,7 @@ from pcs.config import ConfigError
 from pcs.runner import run
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="pcs/conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
         run(cfg)

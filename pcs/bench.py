@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from .eviction import METHODS_WITHOUT_SELECTION, build_method
+from .config import compose, declared
+from .eviction import build_method
 from .generate import greedy_generate
 from .models import load_model, prepare
 
@@ -31,11 +32,8 @@ LLAMA31_SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=1433
                      num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=131072)
 
 
-def compose(**overrides):
-    from hydra import compose as hydra_compose, initialize_config_dir
-    from .config import CONF_DIR
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=[f"{k}={v}" for k, v in overrides.items()])
+def composed(**overrides):
+    return compose([f"{k}={v}" for k, v in overrides.items()])
 
 
 def build_model(name: str, layers: int, device: str, path: str | None = None):
@@ -48,7 +46,7 @@ def build_model(name: str, layers: int, device: str, path: str | None = None):
         model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype).to(device).eval()
         return prepare(model)
     overrides = {"model": name, "model.device": device} | ({"model.path": path} if path else {})
-    model, _ = load_model(compose(**overrides).model)
+    model, _ = load_model(composed(**overrides).model)
     return model
 
 
@@ -133,7 +131,7 @@ def summarize(samples: list[dict]) -> dict:
 def configurations(args):
     yield "full", "none", None
     for method in args.methods:
-        selections = ["none"] if method in METHODS_WITHOUT_SELECTION else args.selections
+        selections = args.selections if "selection" in declared("method", method, "uses", []) else ["none"]
         for selection in selections:
             for budget in args.budgets:
                 yield method, selection, budget
@@ -145,7 +143,7 @@ def build_configurations(args) -> list[tuple]:
         overrides = {"method": method_name, "budget": budget or 128}
         if selection != "none":
             overrides["selection"] = selection
-        built.append((method_name, selection, budget, build_method(compose(**overrides))))
+        built.append((method_name, selection, budget, build_method(composed(**overrides))))
     return built
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import CompressedCache
-from .eviction import LayerState
+from .eviction.base import LayerState, Method
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -68,19 +68,18 @@ def after_prefill(model, cache: CompressedCache, window: int, on_layer):
 
 
 class LayerChoices:
-    """One method's kept entries, layer by layer during a prefill. A model-wide method (``model_wide``)
-    only scores each layer as it passes and chooses for all layers in ``finish``, once all are seen."""
+    """One method's kept entries, layer by layer during a prefill. A model-wide method only scores each
+    layer as it passes and chooses for all layers in ``finish``, once all are seen."""
 
-    def __init__(self, method, n_layers: int):
+    def __init__(self, method: Method, n_layers: int):
         self.method, self.kept, self.scores, self.n_tokens = method, [None] * n_layers, {}, 0
-        self.deferred = getattr(method, "model_wide", False)
 
     def add(self, state: LayerState):
         """The layer's kept entries if they are known now (None: kept whole, or chosen in ``finish``)."""
-        if not self.deferred:
+        if not self.method.model_wide:
             self.kept[state.layer_idx] = self.method.keep(state)
             return self.kept[state.layer_idx]
-        scores = self.method.layer_scores(state)
+        scores = self.method.score(state)
         if scores is not None:
             self.scores[state.layer_idx], self.n_tokens = scores, state.n_tokens
         return None
@@ -100,7 +99,7 @@ class PrefillStats:
 
 
 @contextmanager
-def compress_after_prefill(model, method, cache: CompressedCache):
+def compress_after_prefill(model, method: Method, cache: CompressedCache):
     """While active, each attention module compresses its layer of ``cache`` after a multi-token
     forward; a model-wide method compresses every layer when the context closes, after the whole
     prefill, so the full cache lives until then (``PrefillStats.peak_kv_bytes`` records it)."""
@@ -114,9 +113,9 @@ def compress_after_prefill(model, method, cache: CompressedCache):
             if kept is not None:
                 layer.compress(kept)
 
-    with after_prefill(model, cache, getattr(method, "window", 0), compress):
+    with after_prefill(model, cache, method.window, compress):
         yield stats
-    if choices.deferred:
+    if method.model_wide:
         stats.peak_kv_bytes = max(stats.peak_kv_bytes, cache.nbytes())
         with torch.profiler.record_function("pcs.compress"):
             for layer, kept in zip(cache.layers, choices.finish()):
@@ -134,7 +133,7 @@ class CompressionStats:
         return len(self.compressed_at)
 
 
-def recompress(layer, method, layer_idx: int, n_layers: int, o_proj_weight: torch.Tensor) -> bool:
+def recompress(layer, method: Method, layer_idx: int, n_layers: int, o_proj_weight: torch.Tensor) -> bool:
     """Compress a layer again with ``method``, its newest queries as the observation window.
     Returns whether anything was evicted."""
     keys, values, pad = layer.left_padded()
@@ -147,14 +146,14 @@ def recompress(layer, method, layer_idx: int, n_layers: int, o_proj_weight: torc
 
 
 @contextmanager
-def recompress_when_full(model, method, cache: CompressedCache, trigger: int | None, stats: CompressionStats):
+def recompress_when_full(model, method: Method, cache: CompressedCache, trigger: int | None, stats: CompressionStats):
     """Decoding-time compression: after every forward while active, each layer remembers its newest
     ``window`` queries and, once one of its heads holds more than ``trigger`` entries, is compressed
     again by ``method`` to its budget, the newest queries being the observation window. So no head
     ever holds more than ``trigger + 1`` entries. Heads of different lengths (AdaKV) are scored
     together, padded at the front so that their newest entries line up. ``trigger=None`` only counts."""
     modules = attention_modules(model)
-    window = getattr(method, "window", 0) if trigger is not None else 0
+    window = method.window if trigger is not None else 0
 
     def hook(module, args, kwargs, output):
         layer = cache.layers[module.layer_idx]

@@ -1,4 +1,5 @@
-"""Prefill -> compress -> greedy decode on the compressed cache (batch size 1)."""
+"""Prefill -> compress -> greedy decode on the compressed cache (batch size 1), and the generation
+step of a run: one benchmark sample in, its predictions.jsonl fields out."""
 from __future__ import annotations
 
 import time
@@ -6,8 +7,21 @@ from dataclasses import dataclass
 
 import torch
 
+from .benchmarks.base import Sample
 from .cache import CompressedCache
 from .compression import CompressionStats, compress_after_prefill, recompress_when_full
+from .eviction.base import Method
+from .prompts import PromptIds
+
+
+@dataclass
+class RunContext:
+    """The loaded pieces a run's per-sample step works with, built once by the runner."""
+    model: object
+    tokenizer: object
+    methods: dict                   # variant key -> Method (one for a generation benchmark)
+    stop_token_ids: set[int]
+    cfg: object                     # the run's whole config
 
 
 @dataclass
@@ -31,7 +45,7 @@ def full_kv_bytes(config, n_tokens: int, dtype: torch.dtype) -> int:
 
 
 @torch.inference_mode()
-def greedy_generate(model, input_ids: torch.Tensor, method, max_new_tokens: int, stop_token_ids: set[int],
+def greedy_generate(model, input_ids: torch.Tensor, method: Method, max_new_tokens: int, stop_token_ids: set[int],
                     question_ids: torch.Tensor | None = None, min_new_tokens: int = 0,
                     trigger: int | None = None) -> Generation:
     """Greedy decoding; stops at any of ``stop_token_ids`` (not included in the output), never
@@ -79,3 +93,22 @@ def decode(model, cache, logits, n: int, max_new_tokens: int, stop_token_ids: se
         logits = model(input_ids=torch.tensor([[next_id]], device=device), position_ids=position,
                        past_key_values=cache, use_cache=True).logits
     return tokens
+
+
+def generate_row(sample: Sample, prompt: PromptIds, ctx: RunContext) -> dict:
+    """Greedy answer to one sample on its compressed cache: the row's prediction, sizes and timings."""
+    (method,) = ctx.methods.values()
+    tokenizer = ctx.tokenizer
+    stops = ctx.stop_token_ids | {tokenizer.encode(t, add_special_tokens=False)[-1] for t in sample.stop_texts}
+    question = None if prompt.question is None else torch.tensor([prompt.question])
+    gen = greedy_generate(ctx.model, torch.tensor([prompt.context]), method, sample.max_new_tokens, stops,
+                          question_ids=question, min_new_tokens=sample.min_new_tokens,
+                          trigger=ctx.cfg.compress.trigger)
+    return {"prediction": tokenizer.decode(gen.token_ids, skip_special_tokens=True),
+            "prompt_tokens": gen.prompt_tokens,
+            "question_tokens": 0 if prompt.question is None else len(prompt.question),
+            "new_tokens": len(gen.token_ids),
+            "kv_cache_bytes": gen.kv_cache_bytes, "kv_cache_bytes_full": gen.kv_cache_bytes_full,
+            "peak_kv_bytes": gen.peak_kv_bytes,
+            "max_kv_entries": gen.max_kv_entries, "n_compressions": gen.n_compressions,
+            "prefill_s": round(gen.prefill_s, 4), "decode_s": round(gen.decode_s, 4)}

@@ -6,8 +6,6 @@ save the float32 result once under ``model.cache_dir`` so later loads take about
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,20 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .cache import ATTN_IMPLEMENTATION, register_attention
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def package_dir(package: str) -> Path:
-    """Folder of an installed package, found without importing it."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {package!r} is not installed; run `make setup`")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("PCS_CACHE_DIR", Path.home() / ".cache" / "pcs"))
+from .paths import default_cache_dir, package_dir
 
 
 def converted_gguf(package: str, filename: str, cache_dir: str | None) -> Path:
@@ -82,7 +67,7 @@ def load_model(model_cfg):
     tokenizer = AutoTokenizer.from_pretrained(location)
     # device_map="auto" spreads a model too big for one GPU (Qwen2.5-32B) over all visible GPUs.
     device_map = model_cfg.get("device_map") or str(pick_device(model_cfg.get("device")))
-    model = AutoModelForCausalLM.from_pretrained(location, dtype=DTYPES[model_cfg.dtype], device_map=device_map)
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=getattr(torch, model_cfg.dtype), device_map=device_map)
     return prepare(model), tokenizer
 
 

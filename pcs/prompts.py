@@ -3,12 +3,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
-
 
 class PromptIds(NamedTuple):
-    context: torch.Tensor              # (1, n): prefilled, then compressed
-    question: torch.Tensor | None      # (1, q): fed on the compressed cache, or None
+    context: list[int]                 # prefilled, then compressed
+    question: list[int] | None         # fed on the compressed cache, or None
 
 
 def encode_prompt(tokenizer, text: str, model_cfg, use_chat: bool = True, question: str = "") -> PromptIds:
@@ -24,7 +22,7 @@ def encode_prompt(tokenizer, text: str, model_cfg, use_chat: bool = True, questi
                                              add_generation_prompt=True)
     split = text.rfind(question) if question else -1
     if split <= 0:
-        return PromptIds(torch.tensor([tokenizer(text, add_special_tokens=not chat).input_ids]), None)
+        return PromptIds(tokenizer(text, add_special_tokens=not chat).input_ids, None)
     context = tokenizer(text[:split], add_special_tokens=not chat).input_ids
     tail = tokenizer(text[split:], add_special_tokens=False).input_ids
-    return PromptIds(torch.tensor([context]), torch.tensor([tail]))
+    return PromptIds(context, tail)

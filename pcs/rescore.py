@@ -16,8 +16,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from .benchmarks import build_benchmark
-from .runner import read_rows, write_json_atomic
+from .benchmarks.base import build_benchmark
+from .run_folder import read_rows, write_json_atomic
 
 
 def run_dirs(path: Path) -> list[Path]:
@@ -38,7 +38,7 @@ def rescore(run_dir: Path, fuzzy_backend: str | None = None) -> tuple[list[dict]
     if not rows:
         raise ValueError(f"{run_dir} has no predictions yet")
     for row in rows:
-        row["score"] = benchmark.score(row, row["prediction"])
+        row["score"] = benchmark.score(row)
     return rows, benchmark.metrics(rows)
 
 

@@ -1,79 +1,52 @@
-"""One run: validate, resume or start the run folder, generate sample by sample, score, summarise.
-
-Run folder (DESIGN.md): ``config.yaml`` (resolved), ``predictions.jsonl`` (one flushed line per
-finished sample), ``metrics.json`` (written atomically, last: its presence means the run finished).
-"""
+"""One run: validate, resume or start the run folder, run every sample through the benchmark's step,
+score, summarise. The only module that joins the stages: config -> model + method -> samples ->
+step (generate or measure) -> predictions -> metrics."""
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from .benchmarks import RunContext, build_benchmark
-from .config import ConfigError, run_name, saved_config, validate
+from .benchmarks.base import build_benchmark
+from .config import ConfigError, validate
 from .eviction import build_method
+from .generate import RunContext, generate_row
+from .identity import RunIdentity
 from .models import load_model, stop_token_ids
+from .output_perturbation import perturbation_row
 from .provenance import now, provenance
+from .run_folder import exclusive, is_finished, prepare, read_rows, write_json_atomic
 from .tracking import log_run
 
-
-def read_rows(path: Path) -> list[dict]:
-    """Finished predictions; a torn last line (the process died mid-write) is dropped."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return rows
+# A benchmark's ``step`` -> what answers one of its samples (an encoded prompt) on the model.
+STEPS = {"generate": generate_row, "output_perturbation": perturbation_row}
 
 
-def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
-def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> None:
-    """Create the folder with its config, or check that an existing one holds the same config."""
-    wanted = saved_config(cfg)
-    config_file = run_dir / "config.yaml"
-    if config_file.exists():
-        if config_file.read_text() != wanted:
-            raise RuntimeError(f"{run_dir} holds a run with a different config; "
-                               f"remove it or choose another results_dir")
-        return
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config_file.write_text(wanted)
-
-
-def run(cfg: DictConfig) -> dict:
+def run(cfg: DictConfig) -> dict | None:
     """Run (or resume, or skip) the configured cell; returns its metrics."""
     validate(cfg)
     benchmark = build_benchmark(cfg)
     try:
         benchmark.check()
+        variants = benchmark.variants()
     except (ValueError, FileNotFoundError) as err:   # missing data, a malformed line, a bad option
         raise ConfigError(str(err)) from err
-    run_dir = Path(cfg.results_dir) / run_name(cfg)
-    if (run_dir / "metrics.json").exists():
+    methods = {key: build_method(variant) for key, variant in variants.items()}   # checks their knobs
+    identity = RunIdentity(cfg)
+    run_dir = Path(cfg.results_dir) / identity.folder
+    if is_finished(run_dir):
         return finished(run_dir)
-    prepare_run_dir(cfg, run_dir)
+    prepare(run_dir, identity.saved_config)
     with exclusive(run_dir) as mine:
         if not mine:   # e.g. a sweep whose cells differ only in knobs this method ignores
             print(f"[pcs] another job is running {run_dir}; leaving it to that job")
             return None
-        if (run_dir / "metrics.json").exists():
+        if is_finished(run_dir):
             return finished(run_dir)
-        return execute(cfg, benchmark, run_dir)
+        return execute(cfg, identity, benchmark, methods, run_dir)
 
 
 def finished(run_dir: Path) -> dict:
@@ -82,33 +55,14 @@ def finished(run_dir: Path) -> dict:
     return metrics
 
 
-@contextmanager
-def exclusive(run_dir: Path):
-    """Yields whether this process holds the run folder's lock (a POSIX lock, so it also works
-    between cluster nodes sharing the folder over NFS); the lock goes when the process ends."""
-    handle = open(run_dir / ".lock", "w")
-    try:
-        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.close()
-        yield False
-        return
-    try:
-        yield True
-    finally:
-        fcntl.lockf(handle, fcntl.LOCK_UN)
-        handle.close()
-
-
-def execute(cfg: DictConfig, benchmark, run_dir: Path) -> dict:
-    """Generate the missing samples of a locked run folder, then its metrics."""
-    method = build_method(cfg)
-    if not method.uses_selection:
+def execute(cfg: DictConfig, identity: RunIdentity, benchmark, methods: dict, run_dir: Path) -> dict:
+    """Answer the missing samples of a locked run folder, then its metrics."""
+    if not identity.reads_selection and identity.declares("benchmark", "selection"):
         print(f"[pcs] method={cfg.method.name} has its own rule: selection={cfg.selection.name} is not used")
-
+    step = STEPS[benchmark.step]
     started, started_at = time.time(), now()
     model, tokenizer = load_model(cfg.model)
-    stops = stop_token_ids(model, tokenizer, cfg.model.stop_tokens)
+    ctx = RunContext(model, tokenizer, methods, stop_token_ids(model, tokenizer, cfg.model.stop_tokens), cfg)
     samples = benchmark.samples(tokenizer)
     predictions_file = run_dir / "predictions.jsonl"
     rows = read_rows(predictions_file)
@@ -120,10 +74,11 @@ def execute(cfg: DictConfig, benchmark, run_dir: Path) -> dict:
     with predictions_file.open("w", encoding="utf-8") as out:
         out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
         speed = Throughput()
-        ctx = RunContext(model, tokenizer, method, stops, cfg)
-        bar = tqdm(todo, desc=run_name(cfg), disable=not cfg.progress, unit="sample", dynamic_ncols=True)
+        bar = tqdm(todo, desc=identity.folder, disable=not cfg.progress, unit="sample", dynamic_ncols=True)
         for sample in bar:
-            row = {"id": sample.id, **benchmark.run_sample(sample, ctx), **sample.meta}
+            output = step(sample, benchmark.encode(sample, tokenizer, cfg.model), ctx)
+            score = benchmark.score({**output, **sample.meta})
+            row = {"id": sample.id, "prediction": output.pop("prediction"), "score": score, **output, **sample.meta}
             out.write(json.dumps(row, ensure_ascii=False) + "\n")
             out.flush()
             rows.append(row)
@@ -142,7 +97,7 @@ def execute(cfg: DictConfig, benchmark, run_dir: Path) -> dict:
     })
     benchmark.finish(rows, metrics, run_dir)
     write_json_atomic(run_dir / "metrics.json", metrics)
-    log_run(cfg, run_name(cfg), run_dir, metrics)
+    log_run(cfg, identity.folder, run_dir, metrics)
     print_summary(run_dir, metrics)
     return metrics
 

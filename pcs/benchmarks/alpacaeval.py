@@ -10,55 +10,16 @@ file is downloaded directly). Each is answered in the model's chat template with
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from ..identity import RunIdentity
 from ..provenance import sha256_text
+from .alpacaeval_data import HUB_INSTRUCTIONS, HUB_REPO, hub_file, read_records, write_model_outputs
+from .alpacaeval_judge import annotate_run, annotation_problems
 from .base import Benchmark, Sample
-
-HUB_REPO = "tatsu-lab/alpaca_eval"
-HUB_INSTRUCTIONS = "alpaca_eval.json"
-HUB_REFERENCE = "alpaca_eval_gpt4_baseline.json"   # AlpacaEval 2.0's reference: GPT-4 Turbo's outputs
-
-
-def hub_file(name: str) -> Path:
-    from huggingface_hub import hf_hub_download
-    return Path(hf_hub_download(HUB_REPO, name, repo_type="dataset"))
-
-
-def read_records(path: Path, required: tuple[str, ...]) -> list[dict]:
-    """A JSON list of objects holding ``required`` string fields; errors name the file and item."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path} does not exist") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(data, list) or not data:
-        raise ValueError(f"{path}: expected a non-empty JSON list of objects")
-    for i, item in enumerate(data):
-        missing = [k for k in required if not isinstance(item, dict) or not isinstance(item.get(k), str)]
-        if missing:
-            raise ValueError(f"{path}: item {i} lacks the string field(s) {missing}")
-    return data
-
-
-def generator_name(cfg) -> str:
-    """Names model, method, selection and budget (and the trigger) for the leaderboard."""
-    parts = [cfg.model.name, cfg.method.name]
-    if cfg.method.name != "full":
-        if cfg.method.name != "streamingllm":
-            parts.append(cfg.selection.name)
-        parts.append(f"b{cfg.budget}")
-    if cfg.compress.trigger is not None:
-        parts.append(f"trigger{cfg.compress.trigger}")
-    return "-".join(parts)
 
 
 class AlpacaEval(Benchmark):
-    name = "alpacaeval"
-    annotation_keys = ("judge", "annotate", "reference_file")   # change the judging, not the outputs
-
     def __init__(self, cfg):
         super().__init__(cfg)
         self.records: list[dict] = []
@@ -77,7 +38,6 @@ class AlpacaEval(Benchmark):
                                         f"pass benchmark.data_file=FILE, a JSON list of instructions") from None
         self.records = read_records(source, ("instruction",))[:limit]
         if self.cfg.annotate:
-            from ..annotate import annotation_problems
             for problem in annotation_problems(self.cfg):
                 print(f"[pcs] warning: {problem}")
 
@@ -89,7 +49,7 @@ class AlpacaEval(Benchmark):
                        meta={"instruction": r["instruction"], "dataset": r.get("dataset", "")})
                 for i, r in enumerate(self.records)]
 
-    def score(self, meta: dict, prediction: str) -> None:
+    def score(self, row: dict) -> None:
         return None   # judged pairwise over the whole set, not per sample
 
     def metrics(self, rows: list[dict]) -> dict:
@@ -97,19 +57,8 @@ class AlpacaEval(Benchmark):
                 "avg_new_tokens": sum(r["new_tokens"] for r in rows) / len(rows)}
 
     def finish(self, rows: list[dict], metrics: dict, run_dir: Path) -> None:
-        outputs = write_model_outputs(rows, generator_name(self.run_cfg), run_dir)
+        outputs = write_model_outputs(rows, RunIdentity(self.run_cfg).generator, run_dir)
         if not self.cfg.annotate:
             print(f"[pcs] outputs in {outputs}; judge them with `python -m pcs.annotate {run_dir}`")
             return
-        from ..annotate import annotate_run
         metrics.update(annotate_run(run_dir, self.cfg))
-
-
-def write_model_outputs(rows: list[dict], generator: str, run_dir: Path) -> Path:
-    path = Path(run_dir) / "model_outputs.json"
-    outputs = [{"instruction": r["instruction"], "output": r["prediction"], "generator": generator,
-                "dataset": r.get("dataset", "")} for r in rows]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(outputs, indent=2, ensure_ascii=False), encoding="utf-8")
-    os.replace(tmp, path)
-    return path

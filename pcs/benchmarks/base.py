@@ -1,10 +1,20 @@
-"""What every benchmark provides to the runner: samples in, per-sample scores and metrics out."""
+"""What every benchmark provides to the runner: samples in, scores and metrics out.
+
+A benchmark has no model code. It says what to ask (``samples``, ``encode``), which per-sample
+``step`` answers it (``generate``: greedy decoding on the compressed cache; ``output_perturbation``:
+the first decoding step measured on each variant's cache), which method configs that step runs
+(``variants``: the run's own, unless the benchmark compares several), and how rows are scored
+(``score``, ``metrics``) and presented (``finish``). Its class is named by its config file
+(``pcs/conf/benchmark/<name>.yaml``, ``_target_``).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..generate import greedy_generate
+from omegaconf import DictConfig
+
+from ..config import load_class
 from ..prompts import PromptIds, encode_prompt
 
 
@@ -20,29 +30,20 @@ class Sample:
     min_new_tokens: int = 0         # stops cannot end generation before this many tokens
 
 
-@dataclass
-class RunContext:
-    """The loaded pieces a benchmark works with, built once per run by the runner."""
-    model: object
-    tokenizer: object
-    method: object
-    stop_token_ids: set[int]
-    cfg: object                     # the run's whole config
-
-
 class Benchmark:
-    """Interface: ``check()`` fails fast before the model loads; ``samples()`` may need the tokenizer;
-    ``run_sample`` turns one sample into its predictions.jsonl row (greedy generation by default)."""
-    name: str
-    uses_selection = True           # False: the benchmark compares selections itself
-    annotation_keys: tuple[str, ...] = ()   # benchmark knobs that judge outputs without changing them
+    """Interface: ``check()`` fails fast before the model loads; ``samples()`` may need the tokenizer."""
+    step = "generate"
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: DictConfig):
         self.run_cfg = cfg              # the whole config
         self.cfg = cfg.benchmark        # this benchmark's group
 
     def check(self) -> None:
         """Raise ValueError/FileNotFoundError naming the bad value, before anything heavy runs."""
+
+    def variants(self) -> dict:
+        """Variant key -> the run config whose method the step runs (a generation benchmark: the run's)."""
+        return {"run": self.run_cfg}
 
     def samples(self, tokenizer) -> list[Sample]:
         raise NotImplementedError
@@ -51,26 +52,9 @@ class Benchmark:
         """Token ids of a sample's prompt (a benchmark may truncate it first)."""
         return encode_prompt(tokenizer, sample.prompt, model_cfg, use_chat=sample.chat, question=sample.question)
 
-    def run_sample(self, sample: Sample, ctx: RunContext) -> dict:
-        """Generate an answer; the row's timing and size fields (DESIGN.md) plus ``prediction`` and ``score``."""
-        tokenizer = ctx.tokenizer
-        prompt = self.encode(sample, tokenizer, ctx.cfg.model)
-        stops = ctx.stop_token_ids | {tokenizer.encode(t, add_special_tokens=False)[-1] for t in sample.stop_texts}
-        gen = greedy_generate(ctx.model, prompt.context, ctx.method, sample.max_new_tokens, stops,
-                              question_ids=prompt.question, min_new_tokens=sample.min_new_tokens,
-                              trigger=ctx.cfg.compress.trigger)
-        prediction = tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-        return {"prediction": prediction, "score": self.score(sample.meta, prediction),
-                "prompt_tokens": gen.prompt_tokens,
-                "question_tokens": 0 if prompt.question is None else prompt.question.shape[1],
-                "new_tokens": len(gen.token_ids),
-                "kv_cache_bytes": gen.kv_cache_bytes, "kv_cache_bytes_full": gen.kv_cache_bytes_full,
-                "peak_kv_bytes": gen.peak_kv_bytes,
-                "max_kv_entries": gen.max_kv_entries, "n_compressions": gen.n_compressions,
-                "prefill_s": round(gen.prefill_s, 4), "decode_s": round(gen.decode_s, 4)}
-
-    def score(self, meta: dict, prediction: str) -> float:
-        """A sample's score on the benchmark's 0-100 scale, from its ``meta`` (or its saved row)."""
+    def score(self, row: dict) -> float | None:
+        """A row's score on the benchmark's 0-100 scale, from the step's fields and the sample's meta
+        (so saved rows can be scored again)."""
         raise NotImplementedError
 
     def metrics(self, rows: list[dict]) -> dict:
@@ -84,3 +68,8 @@ class Benchmark:
     def finish(self, rows: list[dict], metrics: dict, run_dir: Path) -> None:
         """Once every sample is done, before ``metrics.json`` is written: write extra files next to
         it (plots, outputs in another tool's format) and add what they yield to ``metrics``."""
+
+
+def build_benchmark(cfg: DictConfig) -> Benchmark:
+    """The benchmark of a run's whole config (its class: the option file's ``_target_``)."""
+    return load_class("benchmark", cfg.benchmark.name)(cfg)

@@ -34,8 +34,6 @@ def truncate_middle(tokenizer, prompt: str, max_length: int) -> str:
 
 
 class LongBench(Benchmark):
-    name = "longbench"
-
     def __init__(self, cfg):
         super().__init__(cfg)
         self.records: dict[str, list[dict]] = {}
@@ -111,8 +109,8 @@ class LongBench(Benchmark):
         hashes = {task: sha256_files([task_file(folder, task, self.cfg.longbench_e)]) for task in self.tasks}
         return {**hashes, "prompts": sha256_text(json.dumps(PROMPTS, sort_keys=True))}
 
-    def score(self, meta: dict, prediction: str) -> float:
-        return 100 * sample_score(meta["task"], prediction, meta["answers"], meta["all_classes"],
+    def score(self, row: dict) -> float:
+        return 100 * sample_score(row["task"], row["prediction"], row["answers"], row["all_classes"],
                                   self.cfg.fuzzy_backend)
 
     def metrics(self, rows: list[dict]) -> dict:

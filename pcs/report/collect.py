@@ -15,8 +15,7 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import OmegaConf
 
-from ..config import group_overrides
-from ..eviction import METHODS_WITHOUT_SELECTION
+from ..identity import RunIdentity
 
 COLUMNS = ["table", "benchmark", "model", "method", "selection", "budget", "domain", "score", "run_dir", "variant"]
 
@@ -53,34 +52,15 @@ def expand_full_rows(df: pd.DataFrame) -> pd.DataFrame:
     return pd.concat(placed, ignore_index=True)
 
 
-def selection_label(cfg) -> str:
-    if cfg.method.name in METHODS_WITHOUT_SELECTION or "selection" not in cfg:
-        return "none"
-    knobs = group_overrides(cfg, "selection")
-    return "_".join([cfg.selection.name] + knobs)
-
-
-def setting_knobs(cfg) -> list[str]:
-    """``key=value`` of every non-default model or benchmark knob, and the decoding-time trigger: what
-    sets a run apart from others of its method beyond selection and budget."""
-    knobs = [kv for g in ("model", "benchmark") for kv in group_overrides(cfg, g)]
-    if cfg.get("compress", {}).get("trigger") is not None:
-        knobs.append(f"trigger={cfg.compress.trigger}")
-    return knobs
-
-
 def run_rows(run_dir: Path) -> list[dict]:
     cfg = OmegaConf.load(run_dir / "config.yaml")
     metrics = json.loads((run_dir / "metrics.json").read_text())
     if metrics.get("score") is None or cfg.benchmark.name == "perturbation":
         return []   # not scored yet (AlpacaEval before judging), or an analysis with its own section
-    base = setting_knobs(cfg)
-    method_knobs = group_overrides(cfg, "method")
-    table = "_".join([cfg.benchmark.name, cfg.method.name] + method_knobs + base)
-    common = {"table": None if cfg.method.name == "full" else table, "benchmark": cfg.benchmark.name,
-              "model": cfg.model.name, "method": cfg.method.name, "selection": selection_label(cfg),
-              "budget": None if cfg.method.name == "full" else cfg.budget, "run_dir": str(run_dir),
-              "variant": "_".join(base)}
+    run = RunIdentity(cfg)
+    common = {"table": run.table, "benchmark": cfg.benchmark.name, "model": cfg.model.name,
+              "method": cfg.method.name, "selection": run.selection_label,
+              "budget": cfg.budget if run.reads_budget else None, "run_dir": str(run_dir), "variant": run.setting}
     rows = [{**common, "domain": domain, "score": value} for domain, value in metrics.get("domains", {}).items()]
     return rows + [{**common, "domain": "average", "score": metrics["score"]}]
 

@@ -19,8 +19,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from ..benchmarks.longbench_data import DOMAINS
-from ..config import group_overrides
-from .collect import selection_label, setting_knobs
+from ..identity import RunIdentity
 from .savings import equivalent_budget
 
 RESAMPLES, SEED, LEVEL = 10_000, 0, 0.95
@@ -127,13 +126,8 @@ SIGNIFICANCE_COLUMNS = ["model", "benchmark", "variant", "method", "budget", "se
                         "ci_high", "p_value", "note", "run_dir", "baseline_run_dir"]
 
 
-def comparison_key(run_dir: Path) -> tuple[str, str]:
-    """(what must match for two runs to be paired: the config without its selection, the selection label)."""
-    cfg = OmegaConf.load(Path(run_dir) / "config.yaml")
-    label = selection_label(cfg)
-    data = OmegaConf.to_container(cfg)
-    data.pop("selection", None)
-    return json.dumps(data, sort_keys=True), label
+def identity(run_dir: Path) -> RunIdentity:
+    return RunIdentity(OmegaConf.load(Path(run_dir) / "config.yaml"))
 
 
 def significance(run_dirs: list[Path], baseline: str = "attention", resamples: int = RESAMPLES,
@@ -141,8 +135,8 @@ def significance(run_dirs: list[Path], baseline: str = "attention", resamples: i
     """One row per (candidate run, domain) for every pair of finished runs that differ only in selection."""
     groups: dict[str, dict[str, Path]] = {}
     for run_dir in run_dirs:
-        key, label = comparison_key(run_dir)
-        groups.setdefault(key, {})[label] = run_dir
+        run = identity(run_dir)
+        groups.setdefault(run.pairing_key, {})[run.selection_label] = run_dir
     rows = []
     for by_label in groups.values():
         if baseline not in by_label:
@@ -155,9 +149,9 @@ def significance(run_dirs: list[Path], baseline: str = "attention", resamples: i
 
 
 def pair_rows(base_dir: Path, cand_dir: Path, label: str, resamples: int, seed: int) -> list[dict]:
-    cfg = OmegaConf.load(cand_dir / "config.yaml")
-    variant = "_".join(group_overrides(cfg, "method") + setting_knobs(cfg))
-    common = {"model": cfg.model.name, "benchmark": cfg.benchmark.name, "variant": variant, "method": cfg.method.name,
+    run = identity(cand_dir)
+    cfg = run.cfg
+    common = {"model": cfg.model.name, "benchmark": cfg.benchmark.name, "variant": run.variant, "method": cfg.method.name,
               "budget": cfg.get("budget"), "selection": label, "run_dir": str(cand_dir),
               "baseline_run_dir": str(base_dir)}
     try:

@@ -1,4 +1,5 @@
-"""Output perturbation at the first decoding token (the paper's Section 5 and Appendices A and B).
+"""Output perturbation at the first decoding token (the paper's Section 5 and Appendices A and B): the
+per-sample step of the perturbation analysis (``benchmark=perturbation``).
 
 One prefill on the full cache records, for every layer, which entries each selection variant (and
 budget) would keep. The first decoding token is the full cache's greedy choice; then:
@@ -15,13 +16,17 @@ budget) would keep. The first decoding token is the full cache's greedy choice; 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
+from .benchmarks.base import Sample
 from .cache import CompressedCache
 from .compression import LayerChoices, after_prefill, attention_modules, hooked, window_queries
-from .eviction import LayerState
+from .eviction.base import LayerState, Method, window_positions
+from .generate import RunContext, full_kv_bytes
+from .prompts import PromptIds
 
 Kept = list  # per layer: None (layer kept whole) or one LongTensor of positions per KV head
 
@@ -33,28 +38,28 @@ class Prefill:
     keys: list[torch.Tensor]           # per layer, (H_kv, n, d): the full cache
     values: list[torch.Tensor]
     kept: dict[object, Kept]           # per variant key
-    stage1: Kept                       # the assumption variant's stage-1 picks plus the window
+    stage1: Kept                       # the two-stage variant's stage-1 picks plus the window
     stage1_prefix: Kept                # its stage-1 picks alone
     cache: CompressedCache = field(repr=False)
 
 
 @torch.inference_mode()
-def run_prefill(model, input_ids: torch.Tensor, methods: dict, assumption_method=None) -> Prefill:
-    """Full-cache prefill; every method of ``methods`` (key -> method) chooses its kept entries."""
+def run_prefill(model, input_ids: torch.Tensor, methods: dict, two_stage: Method | None = None) -> Prefill:
+    """Full-cache prefill; every method of ``methods`` (key -> method) chooses its kept entries, and
+    ``two_stage`` (a two-stage method) records its stage-1 picks."""
     n_layers = model.config.num_hidden_layers
     choices = {key: LayerChoices(method, n_layers) for key, method in methods.items()}
     stage1, stage1_prefix = [None] * n_layers, [None] * n_layers
-    window = max(getattr(m, "window", 0) for m in methods.values())
+    window = max(m.window for m in methods.values())
 
     def on_layer(state: LayerState, layer) -> None:
         for choice in choices.values():
             choice.add(state)
-        planned = assumption_method.plan(state) if assumption_method is not None else None
-        if planned is not None:
-            ws, budgets = planned
-            first = assumption_method.selection.stage1(budgets, ws)
+        first = two_stage.stage1(state) if two_stage is not None else None
+        if first is not None:
             stage1_prefix[state.layer_idx] = first
-            stage1[state.layer_idx] = [torch.cat([f, assumption_method.window_positions(state)]) for f in first]
+            stage1[state.layer_idx] = [torch.cat([f, window_positions(state.n_tokens, two_stage.window, f.device)])
+                                       for f in first]
 
     cache = CompressedCache(n_layers)
     device = next(model.parameters()).device
@@ -172,3 +177,40 @@ def measure(model, prefill: Prefill, headwise_keys: list, layerwise_keys: list) 
     return Measurement({k: torch.stack(v) for k, v in headwise.items()},
                        {k: (h - full_hidden).abs().sum(-1).cpu() for k, h in layerwise.items()},
                        next_tokens, int(full_logits.argmax()), kv_bytes, torch.stack(mass), torch.stack(mass_prefix))
+
+
+def perturbation_row(sample: Sample, prompt: PromptIds, ctx: RunContext) -> dict:
+    """One context's measurements for every variant (``ctx.methods``: (label, budget) -> method): head-wise
+    and the next token at the run's budget, layer-wise at every budget, Assumption 1 for the first
+    two-stage variant at the run's budget."""
+    main = ctx.cfg.budget
+    labels = list(dict.fromkeys(label for label, _ in ctx.methods))
+    budgets = sorted({budget for _, budget in ctx.methods})
+    two_stage = next((m for (label, b), m in ctx.methods.items() if b == main and m.two_stage), None)
+    ids = torch.tensor([prompt.context])
+    start = time.perf_counter()
+    prefill = run_prefill(ctx.model, ids, ctx.methods, two_stage)
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    result = measure(ctx.model, prefill, [(label, main) for label in labels], list(ctx.methods))
+    decode_s = time.perf_counter() - start
+    decode = ctx.tokenizer.decode
+    return {
+        "prediction": decode([prefill.first_token]),
+        "prompt_tokens": prefill.n_tokens, "new_tokens": 1,
+        "kv_cache_bytes": result.kv_bytes[(labels[1], main)],
+        "kv_cache_bytes_full": full_kv_bytes(ctx.model.config, prefill.n_tokens, ctx.model.dtype),
+        "prefill_s": round(prefill_s, 4), "decode_s": round(decode_s, 4),
+        # The first token comes from the (uncompressed) prefill; the next is the first the cache can change.
+        "next_token_full": decode([result.next_token_full]),
+        "next_tokens": {label: decode([result.next_tokens[(label, main)]]) for label in labels},
+        "headwise": {label: result.headwise[(label, main)].tolist() for label in labels},
+        "layerwise": {label: result.layerwise[(label, main)].tolist() for label in labels},
+        "final_layer": {label: {str(b): float(result.layerwise[(label, b)][-1]) for b in budgets} for label in labels},
+        "assumption1": nan_to_none(result.assumption1),
+        "assumption1_without_window": nan_to_none(result.assumption1_prefix),
+    }
+
+
+def nan_to_none(t: torch.Tensor) -> list:
+    return [[None if v != v else round(float(v), 6) for v in row] for row in t.tolist()]

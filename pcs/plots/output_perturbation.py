@@ -1,4 +1,4 @@
-"""Figures of a perturbation-analysis run, written next to its metrics.json (PNG):
+"""Figures of a perturbation-analysis run (``benchmark=perturbation``), written next to its metrics.json:
 
 - headwise_scatter.png   per head, baseline vs each other selection (paper Figure 2);
 - layerwise.png          mean L1 distance of each layer's output hidden state (Figures 3a, 5);
@@ -107,7 +107,7 @@ FIGURES = {"headwise_scatter.png": headwise_scatter, "layerwise.png": layerwise,
            "final_layer_vs_budget.png": final_layer_vs_budget, "assumption1.png": assumption1}
 
 
-def write_figures(rows: list[dict], metrics: dict, run_dir: Path) -> list[Path]:
+def write_figures(metrics: dict, run_dir: Path) -> list[Path]:
     paths = []
     for name, draw in FIGURES.items():
         draw(metrics, Path(run_dir) / name)

@@ -1,0 +1,93 @@
+"""What an eviction method is: an object that says, layer by layer, which cache entries each KV head keeps.
+
+Compression after the prefill, decoding-time recompression and the perturbation analysis all call the
+interface below and nothing else. A method's module is its class; its config file
+(``pcs/conf/method/<name>.yaml``) names the class, its knobs and the run-level settings it reads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ConfigError
+
+# Per layer: None (the layer is kept whole) or one ascending LongTensor of kept positions per KV head.
+Kept = "list[torch.Tensor] | None"
+
+
+@dataclass
+class LayerState:
+    """What a method may look at for one layer right after prefill."""
+    layer_idx: int
+    n_layers: int
+    keys: torch.Tensor            # (H_kv, n, d), rotary already applied
+    values: torch.Tensor          # (H_kv, n, d)
+    window_queries: torch.Tensor  # (H_q, w, d), the last w queries, rotary applied
+    o_proj_weight: torch.Tensor   # (hidden, H_q * d)
+    pad: torch.Tensor | None = None   # (H_kv,) leading padding entries per head (decode-time recompression)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.keys.shape[1]
+
+    def valid_entries(self) -> torch.Tensor | None:
+        """(H_kv, n) True for real entries when heads are padded at the front, else None."""
+        if self.pad is None:
+            return None
+        return torch.arange(self.n_tokens, device=self.keys.device)[None, :] >= self.pad[:, None]
+
+
+class Method:
+    """The interface every method implements.
+
+    ``window``: how many of the newest queries the method reads (its observation window; 0: none).
+    The compression hooks rebuild them from each layer's input and pass them in ``LayerState``.
+
+    ``model_wide``: False, ``keep`` chooses a layer as soon as its prefill forward is done, so only one
+    full layer is ever held. True, ``score`` rates each layer as it passes and ``choose`` picks for
+    every layer at once when the prefill ends (the full cache lives until then); ``keep`` still
+    chooses within one layer, for decoding-time recompression.
+
+    ``two_stage``: the method keeps some entries (``stage1``) before an output-aware second stage, as
+    perturbation-constrained selection does; the perturbation analysis measures their attention mass
+    (the paper's Assumption 1).
+    """
+    window: int = 0
+    model_wide: bool = False
+    two_stage: bool = False
+
+    def keep(self, layer: LayerState) -> Kept:
+        raise NotImplementedError
+
+    def score(self, layer: LayerState) -> torch.Tensor | None:
+        """A model-wide method's (H_kv, m) scores of one layer, comparable across layers (None: kept whole)."""
+        raise NotImplementedError(f"{type(self).__name__} chooses layer by layer (model_wide is False)")
+
+    def choose(self, scores: dict[int, torch.Tensor], n_tokens: int) -> dict[int, list[torch.Tensor]]:
+        """A model-wide method's kept positions per layer and KV head, from every layer's ``score``."""
+        raise NotImplementedError(f"{type(self).__name__} chooses layer by layer (model_wide is False)")
+
+    def stage1(self, layer: LayerState) -> list[torch.Tensor] | None:
+        """A two-stage method's first-stage picks per KV head, window excluded (None: kept whole)."""
+        return None
+
+
+def check_choice(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, allowed))}")
+
+
+def check_room(budget: int, window: int | None = None, sinks: int = 0) -> None:
+    """The budget must hold the observation window (if the method has one), and the sinks beside it."""
+    if window is not None and not 0 < window <= budget:
+        raise ConfigError(f"budget={budget} cannot hold the observation window method.window={window}; "
+                          f"use budget >= {window} or a smaller window")
+    if not 0 <= sinks <= budget - (window or 0):
+        raise ConfigError(f"budget={budget} cannot hold method.sinks={sinks} attention sinks"
+                          + (f" beside the window of {window}" if window else ""))
+
+
+def window_positions(n_tokens: int, window: int, device=None) -> torch.Tensor:
+    """The last ``window`` positions, kept in every head."""
+    return torch.arange(n_tokens - window, n_tokens, device=device)

@@ -1,0 +1,12 @@
+"""The full cache: keeps everything, the reference every method is measured against."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import LayerState, Method
+
+
+@dataclass
+class FullCache(Method):
+    def keep(self, layer: LayerState):
+        return None

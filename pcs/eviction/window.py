@@ -1,0 +1,73 @@
+"""SnapKV-style eviction, shared by SnapKV, PyramidKV and AdaKV: the observation window scores the
+prefix, an allocation gives each KV head its budget, the selection picks the entries (Alg. 2).
+
+The selection rule (attention or perturbation) is orthogonal to the allocation (uniform, pyramid,
+adaptive): a method here only says how a layer's budget is split, in ``prefix_budgets``. The last
+``window`` tokens are always kept and count in ``budget``; a layer whose prompt fits in its budget is
+left whole.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import LayerState, Method, check_choice, check_room, window_positions
+from .scores import group_mean, pool_scores, window_attention
+from .selection import AttentionSelection, PerturbationSelection, WindowScores
+
+POOLINGS = ("max", "avg")
+
+
+@dataclass
+class WindowEviction(Method):
+    budget: int
+    selection: AttentionSelection | PerturbationSelection
+    window: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+
+    def __post_init__(self):
+        check_room(self.budget, self.window)
+        check_choice("method.pooling", self.pooling, POOLINGS)
+
+    @property
+    def two_stage(self) -> bool:
+        return self.selection.two_stage
+
+    def prefix_budgets(self, layer: LayerState, stage1_scores: torch.Tensor) -> torch.Tensor:
+        """(H_kv,) prefix entries each KV head keeps, given the (H_kv, m) stage-1 scores of its prefix."""
+        raise NotImplementedError
+
+    def plan(self, layer: LayerState) -> tuple[WindowScores, torch.Tensor] | None:
+        """The layer's prefix scores and per-KV-head prefix budgets, or None if it stays whole."""
+        n, w = layer.n_tokens, self.window
+        if n <= self.budget:
+            return None
+        m = n - w
+        valid = layer.valid_entries()
+        attn = window_attention(layer.window_queries, layer.keys, valid)  # (H_q, w, n)
+        mean = attn[:, :, :m].mean(dim=1)                                # (H_q, m)
+        pooled = pool_scores(mean, self.kernel, self.pooling)
+        ws = WindowScores(mean, pooled, group_mean(pooled, layer.keys.shape[0]),
+                          layer.values[:, :m], layer.o_proj_weight)
+        if valid is not None:
+            ws.valid = valid[:, :m]
+            ws.stage1 = ws.stage1.masked_fill(~ws.valid, float("-inf"))
+        budgets = self.prefix_budgets(layer, ws.stage1)
+        if valid is not None:
+            budgets = torch.minimum(budgets, ws.valid.sum(dim=1).to(budgets.device))
+        return None if int(budgets.min()) >= m else (ws, budgets)
+
+    def keep(self, layer: LayerState):
+        planned = self.plan(layer)
+        if planned is None:
+            return None
+        window = window_positions(layer.n_tokens, self.window, layer.keys.device)
+        return [torch.cat([prefix, window]) for prefix in self.selection.select(planned[1], planned[0])]
+
+    def stage1(self, layer: LayerState):
+        planned = self.plan(layer)
+        if planned is None or not self.two_stage:
+            return None
+        return self.selection.stage1(planned[1], planned[0])

@@ -1,0 +1,163 @@
+"""A run's identity, defined once from its config: the folder it writes, the config it saves, how
+tables, plots, significance rows and AlpacaEval's leaderboard name it, and what pairs it with other runs.
+
+A run reads the run-level ``budget`` and ``selection`` only where its method and its benchmark both
+declare them (``_uses_``, see ``pcs.config``): the full cache reads neither, StreamingLLM and LaProx no
+selection, and the perturbation analysis compares the selections it lists itself. What a run does
+not read is left out of everything here, so cells that differ only in it are one run.
+Works on a composed config and on a run folder's saved ``config.yaml`` alike.
+"""
+from __future__ import annotations
+
+import json
+from functools import cached_property
+
+from omegaconf import DictConfig, OmegaConf
+
+from .config import declared, group_file, is_declaration
+
+# Where files live and which device runs: not part of what a run measures, so not in its name
+# (config.yaml keeps them).
+NOT_IN_NAME = {"name", "path", "cache_dir", "device", "device_map", "data_dir", "data_file", "haystack_dir"}
+# Where results go and who watches: not saved with the run.
+NOT_SAVED = ("results_dir", "progress", "logger")
+
+
+def knob_text(value) -> str:
+    if isinstance(value, list):
+        return "+".join(map(knob_text, value))
+    return str(value).replace(" ", "").replace("/", "-")
+
+
+class RunIdentity:
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+
+    def declares(self, group: str, setting: str) -> bool:
+        return setting in declared(group, self.cfg[group].name, "uses", [])
+
+    @cached_property
+    def reads_budget(self) -> bool:
+        return self.declares("method", "budget") and self.declares("benchmark", "budget")
+
+    @cached_property
+    def reads_selection(self) -> bool:
+        return self.declares("method", "selection") and self.declares("benchmark", "selection")
+
+    @cached_property
+    def judging_keys(self) -> list[str]:
+        """Benchmark knobs that judge outputs without changing them (AlpacaEval's judge)."""
+        return list(declared("benchmark", self.cfg.benchmark.name, "judging", []))
+
+    def knobs(self, group: str) -> list[str]:
+        """``key=value`` for each knob of a group that differs from its option's file."""
+        default = OmegaConf.to_container(group_file(group, self.cfg[group].name))
+        current = OmegaConf.to_container(self.cfg[group], resolve=True)
+        skip = NOT_IN_NAME | set(self.judging_keys if group == "benchmark" else ())
+        return [f"{k}={knob_text(current[k])}" for k in sorted(current)
+                if k not in skip and not is_declaration(k) and k in default and current[k] != default[k]]
+
+    @cached_property
+    def method_knobs(self) -> list[str]:
+        return self.knobs("method")
+
+    @cached_property
+    def setting_knobs(self) -> list[str]:
+        """Non-default model and benchmark knobs and the decoding-time trigger: what sets a run apart
+        from the other runs of any method beyond selection and budget."""
+        knobs = self.knobs("model") + self.knobs("benchmark")
+        trigger = self.cfg.get("compress", {}).get("trigger")
+        return knobs + ([f"trigger={trigger}"] if trigger is not None else [])
+
+    @cached_property
+    def selection_label(self) -> str:
+        """The selection and its non-default knobs (``perturbation_alpha=0``), or ``none``."""
+        if not self.reads_selection:
+            return "none"
+        return "_".join([self.cfg.selection.name] + self.knobs("selection"))
+
+    @cached_property
+    def leaf(self) -> str:
+        """``<method>_<selection>_b<budget>[_knob=value...]``; ``full`` reads no budget, and a benchmark
+        that compares selections itself has no selection in the name."""
+        method = self.cfg.method.name
+        if not self.reads_budget:
+            leaf = method
+        elif not self.declares("benchmark", "selection"):
+            leaf = f"{method}_b{self.cfg.budget}"
+        else:
+            selection = self.cfg.selection.name if self.reads_selection else "none"
+            leaf = f"{method}_{selection}_b{self.cfg.budget}"
+        groups = ["model", "method", "benchmark"] + (["selection"] if self.reads_selection else [])
+        knobs = [kv for g in groups for kv in self.knobs(g)]
+        trigger = self.cfg.get("compress", {}).get("trigger")
+        if trigger is not None:
+            knobs.append(f"trigger={trigger}")
+        return "_".join([leaf] + knobs)
+
+    @cached_property
+    def folder(self) -> str:
+        """The run folder, relative to ``results_dir``."""
+        return f"{self.cfg.benchmark.name}/{self.cfg.model.name}/{self.leaf}"
+
+    @property
+    def title(self) -> str:
+        """How a plot names the run: ``<model> / <leaf>``."""
+        return f"{self.cfg.model.name} / {self.leaf}"
+
+    @cached_property
+    def table(self) -> str | None:
+        """The report table the run's scores go to: benchmark, method and every knob other than selection
+        and budget, so that a table's cells differ only in those (None for a run without budget: the
+        full cache joins every table of its benchmark and setting)."""
+        if not self.reads_budget:
+            return None
+        return "_".join([self.cfg.benchmark.name, self.cfg.method.name] + self.method_knobs + self.setting_knobs)
+
+    @property
+    def setting(self) -> str:
+        return "_".join(self.setting_knobs)
+
+    @property
+    def variant(self) -> str:
+        """What sets the run apart beyond method, selection and budget (its method's knobs included)."""
+        return "_".join(self.method_knobs + self.setting_knobs)
+
+    @cached_property
+    def generator(self) -> str:
+        """AlpacaEval's leaderboard name: model, method, selection and budget where read, other knobs."""
+        parts = [self.cfg.model.name, self.cfg.method.name]
+        parts += [self.selection_label] if self.reads_selection else []
+        parts += [f"b{self.cfg.budget}"] if self.reads_budget else []
+        return "-".join(parts + self.method_knobs + self.setting_knobs)
+
+    def saved_data(self) -> dict:
+        """The resolved config without what cannot change the results: where results go, the progress
+        bar, the tracker, how outputs are judged, declarations, and the budget or selection the run does
+        not read. Two requests for the same run folder give the same data."""
+        data = OmegaConf.to_container(self.cfg, resolve=True)
+        for key in NOT_SAVED:
+            data.pop(key, None)
+        for key in self.judging_keys:
+            data["benchmark"].pop(key, None)
+        for group in ("model", "method", "selection", "benchmark"):
+            for key in [k for k in data.get(group, {}) if is_declaration(k)]:
+                del data[group][key]
+        if not self.reads_selection:
+            data.pop("selection", None)
+        if not self.reads_budget:
+            data.pop("budget", None)
+        return data
+
+    @property
+    def saved_config(self) -> str:
+        """``config.yaml``'s text."""
+        return OmegaConf.to_yaml(OmegaConf.create(self.saved_data()))
+
+    @cached_property
+    def pairing_key(self) -> str:
+        """Equal for runs that differ only in selection: such runs score the same samples with the same
+        cache size, and are compared sample by sample."""
+        data = self.saved_data()
+        data.pop("selection", None)
+        return json.dumps(data, sort_keys=True)

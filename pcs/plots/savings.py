@@ -1,0 +1,47 @@
+"""The budget-savings plot (paper Figure 1): average score against budget, both selections per model,
+the savings as arrows and their bootstrap intervals as bars."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+STYLE = {"attention": "-", "perturbation": "--"}
+
+
+def savings_plot(df: pd.DataFrame, saved: pd.DataFrame, path: Path) -> Path:
+    """One panel per method: average score vs budget, both selections per model, savings as arrows."""
+    avg = df[(df["domain"] == "average") & df["budget"].notna() & df["selection"].isin(list(STYLE))]
+    methods = list(dict.fromkeys(avg["method"]))
+    fig, axes = plt.subplots(1, len(methods), figsize=(5.2 * len(methods), 4.2), squeeze=False)
+    colours = {m: f"C{i}" for i, m in enumerate(dict.fromkeys(avg["model"]))}
+    for ax, method in zip(axes[0], methods):
+        for (model, selection), g in avg[avg["method"] == method].groupby(["model", "selection"], sort=False):
+            g = g.drop_duplicates("budget").sort_values("budget")
+            ax.plot(g["budget"], g["score"], STYLE[selection], marker="o", color=colours[model],
+                    label=f"{model}, {'w/' if selection == 'perturbation' else 'w/o'} perturbation selection")
+        for _, row in saved[(saved["method"] == method) & saved["equivalent_budget"].notna()].iterrows():
+            ax.annotate("", xy=(row["equivalent_budget"], row["score"]), xytext=(row["budget"], row["score"]),
+                        arrowprops={"arrowstyle": "->", "color": colours[row["model"]], "lw": 1})
+            ax.annotate(f"{row['savings_pct']:.1f} %", (row["equivalent_budget"], row["score"]),
+                        textcoords="offset points", xytext=(4, -10), fontsize=8, color=colours[row["model"]])
+            low, high = row.get("equivalent_budget_ci_low"), row.get("equivalent_budget_ci_high")
+            if low is not None and not pd.isna(low):     # the bootstrap interval of the equivalent budget
+                eq = row["equivalent_budget"]
+                ax.errorbar([eq], [row["score"]], xerr=[[max(0.0, eq - low)], [max(0.0, high - eq)]], fmt="none",
+                            ecolor=colours[row["model"]], capsize=3, lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (entries per KV head)")
+        ax.set_ylabel("average score")
+        ax.set_title(method)
+        ax.legend(fontsize=7)
+    fig.suptitle("Budget attention-only selection needs to match perturbation selection\n"
+                 "(arrows: savings; bars: 95 % bootstrap interval of the equivalent budget)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,63 @@
+"""A run folder on disk: ``config.yaml`` (the saved config), ``predictions.jsonl`` (one flushed line per
+finished sample), ``metrics.json`` (written atomically, last: its presence means the run finished),
+and the lock that keeps two jobs out of one folder."""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Finished predictions; a torn last line (the process died mid-write) is dropped."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def is_finished(run_dir: Path) -> bool:
+    return (run_dir / "metrics.json").exists()
+
+
+def prepare(run_dir: Path, saved_config: str) -> None:
+    """Create the folder with its config, or check that an existing one holds the same config."""
+    config_file = run_dir / "config.yaml"
+    if config_file.exists():
+        if config_file.read_text() != saved_config:
+            raise RuntimeError(f"{run_dir} holds a run with a different config; "
+                               f"remove it or choose another results_dir")
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_file.write_text(saved_config)
+
+
+@contextmanager
+def exclusive(run_dir: Path):
+    """Yields whether this process holds the run folder's lock (a POSIX lock, so it also works
+    between cluster nodes sharing the folder over NFS); the lock goes when the process ends."""
+    handle = open(run_dir / ".lock", "w")
+    try:
+        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        fcntl.lockf(handle, fcntl.LOCK_UN)
+        handle.close()
