@@ -14,7 +14,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from pcs.models import prepare
 
-CONF = str(Path(__file__).resolve().parent.parent / "conf")
+from pcs.config import CONF_DIR
+
+CONF = str(CONF_DIR)
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
 ARCHITECTURES = {

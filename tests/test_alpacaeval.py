@@ -5,6 +5,7 @@ import json
 import pytest
 
 import pcs.runner
+from pcs.identity import RunIdentity
 from pcs.annotate import annotate_run, main as annotate_main
 from pcs.runner import run
 
@@ -91,11 +92,12 @@ def test_generation_with_decoding_compression_then_judging(tiny_model_dir, tmp_p
                         "progress=false", f"benchmark.data_file={data}", "benchmark.max_new_tokens=80",
                         "budget=24", "method.window=8", "compress.trigger=40", "benchmark.annotate=true")
         metrics = run(cfg)
-    run_dir = tmp_path / "results" / pcs.runner.run_name(cfg)
+    run_dir = tmp_path / "results" / RunIdentity(cfg).folder
     assert run_dir.name == "snapkv_perturbation_b24_window=8_max_new_tokens=80_trigger=40"
     outputs = json.loads((run_dir / "model_outputs.json").read_text())
     assert [o["instruction"] for o in outputs] == INSTRUCTIONS
-    assert {o["generator"] for o in outputs} == {"smollm2-snapkv-perturbation-b24-trigger40"}
+    # The generator names every knob the run reads, as the folder does.
+    assert {o["generator"] for o in outputs} == {"smollm2-snapkv-perturbation-b24-window=8-max_new_tokens=80-trigger=40"}
     assert all(set(o) == {"instruction", "output", "generator", "dataset"} for o in outputs)
     assert metrics["max_kv_entries"] <= 41 and metrics["n_compressions"] >= 1
     assert metrics["score"] == metrics["win_rate"] and 0 <= metrics["win_rate"] <= 100

@@ -1,7 +1,9 @@
 """Budget allocation against the published formulas, written out independently here."""
 import torch
 
-from pcs.eviction.budgets import adaptive_budgets, largest_remainder, pyramid_layer_budget, uniform_budgets
+from pcs.eviction.adakv import adaptive_budgets, largest_remainder
+from pcs.eviction.pyramidkv import pyramid_layer_budget
+from pcs.eviction.snapkv import uniform_budgets
 
 
 def test_uniform_every_head_gets_budget_minus_window():

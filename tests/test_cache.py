@@ -7,16 +7,17 @@ from transformers import AttentionInterface, DynamicCache
 from pcs.cache import CompressedCache
 from pcs.compression import compress_after_prefill
 from pcs.eviction import build_method
+from pcs.eviction.base import Method
 from pcs.generate import full_kv_bytes, greedy_generate
 
 from conftest import compose_cfg, tiny_model
 
 
-class Spy:
-    """Wraps a method and records what each layer kept."""
+class Spy(Method):
+    """Wraps a layer-by-layer method and records what each layer kept."""
     def __init__(self, method):
-        self.method, self.kept = method, {}
-        self.window = getattr(method, "window", 0)
+        assert not method.model_wide
+        self.method, self.kept, self.window = method, {}, method.window
 
     def keep(self, layer):
         kept = self.method.keep(layer)

@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from pcs.config import run_name, validate
+from pcs.config import validate
+from pcs.identity import RunIdentity
 from pcs.eviction import build_method
 
 from conftest import CONF, compose_cfg
@@ -16,7 +17,7 @@ def test_defaults_are_the_embedded_main_job():
     assert (cfg.model.name, cfg.benchmark.name, cfg.method.name, cfg.selection.name, cfg.budget) == \
         ("smollm2", "needle", "snapkv", "perturbation", 128)
     assert cfg.selection.alpha == 0.25 and cfg.method.window == 32 and cfg.method.kernel == 7
-    assert run_name(cfg) == "needle/smollm2/snapkv_perturbation_b128"
+    assert RunIdentity(cfg).folder == "needle/smollm2/snapkv_perturbation_b128"
 
 
 @pytest.mark.parametrize("group", sorted(GROUPS))
@@ -36,14 +37,14 @@ def test_models_declare_dtype_length_chat_and_path():
 
 
 def test_run_names_distinguish_cells_and_knobs():
-    names = {run_name(compose_cfg(f"method={m}", f"selection={s}", f"budget={b}"))
+    names = {RunIdentity(compose_cfg(f"method={m}", f"selection={s}", f"budget={b}")).folder
              for m in GROUPS["method"] for s in ("attention", "perturbation") for b in (64, 128)}
     # full ignores selection and budget, streamingllm and laprox ignore selection.
     assert len(names) == 1 + 2 + 2 + 3 * 2 * 2
     assert "needle/smollm2/laprox_none_b64" in names
-    assert run_name(compose_cfg("selection.alpha=0")) == "needle/smollm2/snapkv_perturbation_b128_alpha=0"
-    assert "stage2_source=pooled" in run_name(compose_cfg("selection=perturbation_released"))
+    assert RunIdentity(compose_cfg("selection.alpha=0")).folder == "needle/smollm2/snapkv_perturbation_b128_alpha=0"
+    assert "stage2_source=pooled" in RunIdentity(compose_cfg("selection=perturbation_released")).folder
     # Model knobs change results too; where data lives does not; lists are joined by "+".
-    assert run_name(compose_cfg("benchmark=longbench", "benchmark.tasks=[trec,lcc]", "model.max_length=1500",
-                                "benchmark.data_dir=/some/where")) == \
+    assert RunIdentity(compose_cfg("benchmark=longbench", "benchmark.tasks=[trec,lcc]", "model.max_length=1500",
+                                   "benchmark.data_dir=/some/where")).folder == \
         "longbench/smollm2/snapkv_perturbation_b128_max_length=1500_tasks=trec+lcc"

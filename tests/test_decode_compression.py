@@ -6,7 +6,8 @@ import torch
 from pcs.cache import CompressibleLayer
 from pcs.compression import recompress
 from pcs.config import ConfigError, validate
-from pcs.eviction import LayerState, build_method
+from pcs.eviction import build_method
+from pcs.eviction.base import LayerState
 from pcs.generate import greedy_generate
 
 from conftest import compose_cfg, tiny_model

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from pcs.runner import run, run_name
+from pcs.identity import RunIdentity
+from pcs.runner import run
 
 from conftest import compose_cfg
 
@@ -14,7 +15,7 @@ def test_full_cache_finds_the_needle_at_1000_tokens(embedded_dir, tmp_path):
     cfg = compose_cfg("method=full", f"results_dir={tmp_path}", "progress=false",
                       "benchmark.context_lengths=[1000]", "benchmark.depth_percents=[50]")
     metrics = run(cfg)
-    row = json.loads((tmp_path / run_name(cfg) / "predictions.jsonl").read_text())
+    row = json.loads((tmp_path / RunIdentity(cfg).folder / "predictions.jsonl").read_text())
     assert "dolores park" in row["prediction"].lower()
     assert metrics["score"] >= 80
 
@@ -24,6 +25,6 @@ def test_compressed_run_keeps_budget_over_prompt_of_the_cache(embedded_dir, tmp_
                       "benchmark.context_lengths=[1000]", "benchmark.depth_percents=[100]",
                       "benchmark.max_new_tokens=24")
     run(cfg)
-    row = json.loads((tmp_path / run_name(cfg) / "predictions.jsonl").read_text())
+    row = json.loads((tmp_path / RunIdentity(cfg).folder / "predictions.jsonl").read_text())
     assert row["kv_cache_bytes"] / row["kv_cache_bytes_full"] == pytest.approx(64 / row["prompt_tokens"], rel=0.02)
     assert row["new_tokens"] > 0 and row["prediction"].strip()

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from pcs.eviction import LaProx, LayerState
+from pcs.eviction.base import LayerState
+from pcs.eviction.laprox import LaProx
 from pcs.eviction.laprox import value_output_norms
 from pcs.generate import full_kv_bytes, greedy_generate
 
@@ -61,7 +62,7 @@ def test_gram_form_value_norm_equals_the_projected_value_norm():
 @pytest.mark.parametrize("pool_on", ["score", "attention"])
 def test_layer_scores_equal_a_direct_computation(gqa, pool_on):
     state = random_state(1)
-    got = LaProx(budget=24, window=8, kernel=5, gqa=gqa, pool_on=pool_on).layer_scores(state)
+    got = LaProx(budget=24, window=8, kernel=5, gqa=gqa, pool_on=pool_on).score(state)
     want = brute_force_layer_scores(state, 8, 5, gqa, pool_on)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-7)
     assert abs(float(got.sum()) - 1) < 1e-5

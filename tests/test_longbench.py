@@ -6,7 +6,8 @@ import pytest
 from transformers import AutoTokenizer
 
 import pcs.runner
-from pcs.benchmarks import build_benchmark
+from pcs.identity import RunIdentity
+from pcs.benchmarks.base import build_benchmark
 from pcs.config import ConfigError
 from pcs.runner import run
 
@@ -77,7 +78,7 @@ def test_long_prompts_are_cut_in_the_middle(data_dir, tokenizer):
     benchmark, cfg = bench(data_dir, "model.max_length=400", "model.chat_template=false", tasks="[hotpotqa]")
     sample = benchmark.samples()[0]
     assert len(tokenizer(sample.prompt).input_ids) > 400
-    ids = benchmark.encode(sample, tokenizer, cfg.model).context[0]
+    ids = benchmark.encode(sample, tokenizer, cfg.model).context
     text = tokenizer.decode(ids)
     assert abs(len(ids) - 400) <= 2                     # re-tokenizing the two halves may merge a token
     assert text.startswith("Answer the question based on the given passages.")
@@ -87,7 +88,7 @@ def test_long_prompts_are_cut_in_the_middle(data_dir, tokenizer):
     write_task(data_dir, "hotpotqa", [record(0, " ".join(words[:300]), "Which word comes first?")])
     benchmark, cfg = bench(data_dir, "model.max_length=7500", "model.chat_template=false", tasks="[hotpotqa]")
     sample = benchmark.samples()[0]
-    assert tokenizer.decode(benchmark.encode(sample, tokenizer, cfg.model).context[0]) == sample.prompt
+    assert tokenizer.decode(benchmark.encode(sample, tokenizer, cfg.model).context) == sample.prompt
 
 
 def test_query_unaware_feeds_the_question_after_compression(data_dir, tokenizer):
@@ -96,7 +97,7 @@ def test_query_unaware_feeds_the_question_after_compression(data_dir, tokenizer)
     prompt = benchmark.encode(sample, tokenizer, cfg.model)
     full = tokenizer.apply_chat_template([{"role": "user", "content": sample.prompt}], tokenize=False,
                                          add_generation_prompt=True)
-    context, question = tokenizer.decode(prompt.context[0]), tokenizer.decode(prompt.question[0])
+    context, question = tokenizer.decode(prompt.context), tokenizer.decode(prompt.question)
     assert context + question == full
     assert context.endswith("The capital of France is Paris.")
     assert question.startswith("\n\nAnswer the question") and "What is the capital of France?" in question
@@ -154,7 +155,7 @@ def test_embedded_model_runs_a_few_tasks_end_to_end_and_rescoring_agrees(data_di
                       "benchmark.limit=2", "model.max_length=600", "budget=64", "method=snapkv",
                       f"results_dir={tmp_path / 'results'}", "progress=false")
     metrics = run(cfg)
-    run_dir = tmp_path / "results" / pcs.runner.run_name(cfg)
+    run_dir = tmp_path / "results" / RunIdentity(cfg).folder
     assert run_dir.name == "snapkv_perturbation_b64_max_length=600_limit=2_tasks=hotpotqa+trec"
     rows = [json.loads(l) for l in (run_dir / "predictions.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == ["hotpotqa/id0", "hotpotqa/id1", "trec/id0", "trec/id1"]

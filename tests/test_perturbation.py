@@ -6,9 +6,11 @@ import torch
 from transformers import DynamicCache
 
 import pcs.runner
+from pcs.identity import RunIdentity
 from pcs.config import ConfigError
 from pcs.eviction import build_method
-from pcs.perturbation import measure, run_prefill
+from pcs.eviction.base import Method
+from pcs.output_perturbation import measure, run_prefill
 from pcs.runner import run
 
 from conftest import compose_cfg, tiny_model
@@ -90,8 +92,8 @@ def test_assumption1_mass_is_the_attention_on_stage1_entries():
 def test_no_perturbation_without_eviction():
     model = tiny_model("qwen2")
     input_ids = torch.randint(0, 256, (1, 100))
-    every = type("KeepAll", (), {"window": WINDOW,
-                                 "keep": lambda self, s: [torch.arange(s.n_tokens)] * s.keys.shape[0]})()
+    every = type("KeepAll", (Method,), {"window": WINDOW,
+                                        "keep": lambda self, s: [torch.arange(s.n_tokens)] * s.keys.shape[0]})()
     methods = {"kept_all": every, "budget_over_prompt": method("perturbation", 128), "compressed": method("attention", 32)}
     prefill = run_prefill(model, input_ids, methods)
     assert all(k is None for k in prefill.kept["budget_over_prompt"])
@@ -119,7 +121,7 @@ def test_run_writes_metrics_and_figures(tiny_model_dir, tmp_path):
                       'benchmark.selections=[attention,perturbation,"perturbation:alpha=0.0",adakv/perturbation,'
                       '"laprox:window=8"]')
     metrics = run(cfg)
-    run_dir = tmp_path / pcs.runner.run_name(cfg)
+    run_dir = tmp_path / RunIdentity(cfg).folder
     assert run_dir.name.startswith("snapkv_b48_")
     assert metrics["score"] == pytest.approx(100 * metrics["heads_improved_frac"])
     assert metrics["n_heads"] == 4 * 8 and set(metrics["comparisons"]) == {
@@ -136,12 +138,14 @@ def test_run_writes_metrics_and_figures(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("method=full", "needs method="), ("benchmark.selections=[attention]", "at least two"),
-    ("benchmark.selections=[attention,nope]", "no selection 'nope'"),
-    ('benchmark.selections=[attention,"perturbation:beta=1"]', "not a knob"),
+    ("method=full", "method=full does not"), ("benchmark.selections=[attention]", "at least two"),
+    ("benchmark.selections=[attention,nope]", "'nope' names no selection or method"),
+    ('benchmark.selections=[attention,"perturbation:beta=1"]', "not a knob of selection perturbation"),
     ('benchmark.selections=[attention,"laprox:alpha=1"]', "not a knob of method laprox"),
-    ("benchmark.selections=[attention,streamingllm/attention]", "compares snapkv, pyramidkv, adakv and laprox"),
-    ("benchmark.budgets=[16]", "must hold the window"),
+    ("benchmark.selections=[attention,streamingllm/attention]", "streamingllm, which takes no selection"),
+    ("benchmark.selections=[attention,full]", "full, which keeps every entry"),
+    ("benchmark.budgets=[16]", "budget=16 cannot hold the observation window"),
+    ("benchmark.haystack_dir=/no/such/essays", "/no/such/essays"),
 ])
 def test_bad_analysis_options_fail_before_the_model_loads(tmp_path, monkeypatch, override, message):
     monkeypatch.setattr(pcs.runner, "load_model", lambda *a: pytest.fail("model loaded"))
@@ -160,14 +164,14 @@ def test_longbench_contexts_can_be_analysed(tiny_model_dir, tmp_path):
                       "progress=false", "benchmark.source=longbench", f"benchmark.data_dir={data}",
                       "benchmark.n_samples=2", "benchmark.budgets=[32]", "budget=32", f"method.window={WINDOW}")
     metrics = run(cfg)
-    rows = (tmp_path / "out" / pcs.runner.run_name(cfg) / "predictions.jsonl").read_text().splitlines()
+    rows = (tmp_path / "out" / RunIdentity(cfg).folder / "predictions.jsonl").read_text().splitlines()
     assert [json.loads(r)["id"] for r in rows] == ["qasper/q0", "qasper/q1"]
     assert metrics["n_samples"] == 2 and 0 <= metrics["score"] <= 100
 
 
 def test_laprox_chooses_in_the_analysis_what_it_keeps_in_generation():
     """The analysis's prefill and the generation path reach the same model-wide choice."""
-    from pcs.eviction import LaProx
+    from pcs.eviction.laprox import LaProx
     from pcs.generate import greedy_generate
 
     class Recording(LaProx):

@@ -5,7 +5,7 @@ import json
 import pandas as pd
 import pytest
 
-from pcs.config import run_name, saved_config
+from pcs.identity import RunIdentity
 from pcs.report.__main__ import build, main
 from pcs.report.collect import collect, paper_tables
 from pcs.report.savings import ABOVE, BELOW, equivalent_budget, savings
@@ -42,9 +42,9 @@ def test_paper_numbers_give_the_papers_figure_1_savings():
 
 def write_run(results, *overrides, metrics):
     cfg = compose_cfg(*overrides)
-    folder = results / run_name(cfg)
+    folder = results / RunIdentity(cfg).folder
     folder.mkdir(parents=True)
-    (folder / "config.yaml").write_text(saved_config(cfg))
+    (folder / "config.yaml").write_text(RunIdentity(cfg).saved_config)
     (folder / "metrics.json").write_text(json.dumps(metrics))
     return folder
 

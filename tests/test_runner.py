@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import pcs.runner
+from pcs.identity import RunIdentity
 from pcs.config import ConfigError
 from pcs.runner import run
 
@@ -22,7 +23,7 @@ def small_cfg(model_dir, results, *extra):
 
 
 def folder(results, cfg):
-    return Path(results) / pcs.runner.run_name(cfg)
+    return Path(results) / RunIdentity(cfg).folder
 
 
 def test_run_writes_the_documented_folder(tiny_model_dir, tmp_path):

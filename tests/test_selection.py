@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
-from pcs.eviction import LayerState, WindowEviction
-from pcs.eviction.methods import adaptive_allocator, uniform_allocator
+from pcs.eviction.adakv import AdaKV
+from pcs.eviction.base import LayerState
+from pcs.eviction.snapkv import SnapKV
 from pcs.eviction.scores import projected_value_norms
 from pcs.eviction.selection import AttentionSelection, PerturbationSelection
 
@@ -52,8 +53,7 @@ def random_layer(seed, h_kv=2, h_q=6, n=48, d=8, hidden=24):
 @pytest.mark.parametrize("pooling", ["max", "avg"])
 def test_perturbation_selection_equals_brute_force(seed, pooling):
     layer, budget, window, alpha = random_layer(seed), 24, 8, 0.25
-    method = WindowEviction(budget, window, 3, pooling, uniform_allocator(budget, window),
-                            PerturbationSelection(alpha=alpha))
+    method = SnapKV(budget, PerturbationSelection(alpha=alpha), window, 3, pooling)
     kept = method.keep(layer)
     A, _, s1, N = brute_force_scores(layer.keys, layer.values, layer.window_queries, layer.o_proj_weight,
                                      window, 3, pooling)
@@ -72,7 +72,7 @@ def test_perturbation_selection_equals_brute_force(seed, pooling):
 @pytest.mark.parametrize("seed", range(4))
 def test_attention_selection_equals_brute_force(seed):
     layer, budget, window = random_layer(seed), 20, 8
-    method = WindowEviction(budget, window, 3, "max", uniform_allocator(budget, window), AttentionSelection())
+    method = SnapKV(budget, AttentionSelection(), window, 3, "max")
     kept = method.keep(layer)
     _, _, s1, _ = brute_force_scores(layer.keys, layer.values, layer.window_queries, layer.o_proj_weight,
                                      window, 3, "max")
@@ -84,7 +84,7 @@ def test_attention_selection_equals_brute_force(seed):
 def test_released_code_stage2_is_pooled_plus_epsilon_times_group_mean_norms():
     layer, budget, window = random_layer(11), 24, 8
     sel = PerturbationSelection(alpha=0.5, stage2_source="pooled", epsilon=1e-4, gqa="product_of_means")
-    kept = WindowEviction(budget, window, 3, "avg", uniform_allocator(budget, window), sel).keep(layer)
+    kept = SnapKV(budget, sel, window, 3, "avg").keep(layer)
     A, P, s1, N = brute_force_scores(layer.keys, layer.values, layer.window_queries, layer.o_proj_weight,
                                      window, 3, "avg")
     g, b = A.shape[0] // s1.shape[0], budget - window
@@ -97,16 +97,15 @@ def test_released_code_stage2_is_pooled_plus_epsilon_times_group_mean_norms():
 
 def test_alpha_one_is_attention_selection_and_adakv_heads_vary():
     layer, budget, window = random_layer(3), 24, 8
-    alloc = adaptive_allocator(budget, window, 0.2)
-    a = WindowEviction(budget, window, 3, "max", alloc, AttentionSelection()).keep(layer)
-    p = WindowEviction(budget, window, 3, "max", alloc, PerturbationSelection(alpha=1.0)).keep(layer)
+    a = AdaKV(budget, AttentionSelection(), window, 3, "max", floor=0.2).keep(layer)
+    p = AdaKV(budget, PerturbationSelection(alpha=1.0), window, 3, "max", floor=0.2).keep(layer)
     assert all(torch.equal(x, y) for x, y in zip(a, p))
     assert sum(len(x) for x in a) == 2 * budget
 
 
 def test_short_prompt_is_left_whole():
     layer = random_layer(0, n=20)
-    method = WindowEviction(24, 8, 3, "max", uniform_allocator(24, 8), PerturbationSelection())
+    method = SnapKV(24, PerturbationSelection(), 8, 3, "max")
     assert method.keep(layer) is None
 
 

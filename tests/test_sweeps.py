@@ -16,7 +16,9 @@ from omegaconf import OmegaConf
 
 import pcs.runner
 from pcs.config import validate
-from pcs.runner import exclusive, run, run_name
+from pcs.identity import RunIdentity
+from pcs.run_folder import exclusive
+from pcs.runner import run
 
 from conftest import CONF, compose_cfg
 
@@ -79,14 +81,14 @@ def needle_args(model_dir, results):
 
 
 def rows_of(results, cfg):
-    lines = (Path(results) / run_name(cfg) / "predictions.jsonl").read_text().splitlines()
+    lines = (Path(results) / RunIdentity(cfg).folder / "predictions.jsonl").read_text().splitlines()
     return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
 
 
 def test_a_killed_run_resumes_to_the_same_predictions(tiny_model_dir, tmp_path):
     args = needle_args(tiny_model_dir, tmp_path / "killed")
     cfg = compose_cfg(*args)
-    predictions = tmp_path / "killed" / run_name(cfg) / "predictions.jsonl"
+    predictions = tmp_path / "killed" / RunIdentity(cfg).folder / "predictions.jsonl"
     proc = subprocess.Popen([sys.executable, "run.py", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
@@ -106,7 +108,7 @@ def test_a_killed_run_resumes_to_the_same_predictions(tiny_model_dir, tmp_path):
 
 def test_a_folder_another_job_holds_is_left_alone(tiny_model_dir, tmp_path, monkeypatch):
     cfg = compose_cfg(*needle_args(tiny_model_dir, tmp_path))
-    folder = tmp_path / run_name(cfg)
+    folder = tmp_path / RunIdentity(cfg).folder
     folder.mkdir(parents=True)
     holder = subprocess.Popen([sys.executable, "-c", (
         "import fcntl, sys, time; f = open(sys.argv[1], 'w'); fcntl.lockf(f, fcntl.LOCK_EX); "
@@ -167,7 +169,7 @@ def test_wandb_failure_never_loses_results(tiny_model_dir, tmp_path, capsys):
     cfg = compose_cfg(*needle_args(tiny_model_dir, tmp_path / "results"), "logger=wandb", "logger.mode=nonsense")
     metrics = run(cfg)
     assert "W&B logging failed" in capsys.readouterr().out
-    assert json.loads((tmp_path / "results" / run_name(cfg) / "metrics.json").read_text()) == metrics
+    assert json.loads((tmp_path / "results" / RunIdentity(cfg).folder / "metrics.json").read_text()) == metrics
 
 
 def test_metrics_carry_provenance(tiny_model_dir, tmp_path):
