@@ -1,0 +1,68 @@
+"""One run identity: folder, saved config, labels, generator name and pairing key agree everywhere."""
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from pcs.identity import RunIdentity
+
+from conftest import compose_cfg
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+
+
+@pytest.mark.parametrize("benchmark", ["needle", "longbench", "alpacaeval"])
+@pytest.mark.parametrize("method", ["full", "streamingllm", "laprox"])
+def test_methods_without_selection_carry_none_anywhere(benchmark, method):
+    run = RunIdentity(compose_cfg(f"benchmark={benchmark}", f"method={method}", "selection=attention", "budget=64"))
+    assert not run.reads_selection
+    assert "selection" not in OmegaConf.create(run.saved_config)
+    assert run.selection_label == "none"
+    assert "attention" not in run.folder and "attention" not in run.generator
+    if method == "full":
+        assert run.folder == f"{benchmark}/smollm2/full" and run.generator == "smollm2-full" and run.table is None
+        assert "budget" not in OmegaConf.create(run.saved_config)
+    else:
+        assert run.folder == f"{benchmark}/smollm2/{method}_none_b64"
+        assert run.generator == f"smollm2-{method}-b64" and run.table == f"{benchmark}_{method}"
+
+
+def test_an_alpacaeval_laprox_run_names_its_generator_without_a_selection():
+    run = RunIdentity(compose_cfg("benchmark=alpacaeval", "method=laprox", "budget=128"))
+    assert run.generator == "smollm2-laprox-b128"
+    assert RunIdentity(compose_cfg("benchmark=alpacaeval", "budget=128")).generator == "smollm2-snapkv-perturbation-b128"
+
+
+def test_the_perturbation_analysis_compares_selections_itself():
+    run = RunIdentity(compose_cfg("benchmark=perturbation", "method=adakv", "selection=attention"))
+    assert run.folder == "perturbation/smollm2/adakv_b128" and not run.reads_selection
+
+
+def test_pairing_key_matches_runs_that_differ_only_in_selection():
+    key = lambda *o: RunIdentity(compose_cfg(*o)).pairing_key
+    assert key("selection=attention") == key("selection=perturbation") == key("selection.alpha=0")
+    assert key("selection=attention") != key("selection=attention", "budget=64")
+    assert key("selection=attention") != key("selection=attention", "method.kernel=5")
+    # Where the results go and who watches are not part of a run.
+    assert key("results_dir=/elsewhere", "progress=false", "logger=wandb") == key()
+
+
+def test_saved_config_holds_knobs_only():
+    saved = OmegaConf.create(RunIdentity(compose_cfg("benchmark=alpacaeval", "benchmark.annotate=true")).saved_config)
+    assert "_target_" not in saved.method and "_uses_" not in saved.benchmark
+    assert "annotate" not in saved.benchmark and "judge" not in saved.benchmark and "results_dir" not in saved
+
+
+def committed_runs():
+    return sorted(p.parent for p in RESULTS.rglob("config.yaml"))
+
+
+def test_committed_runs_keep_their_folders_and_configs():
+    runs = committed_runs()
+    assert len(runs) >= 20
+    for run_dir in runs:
+        run = RunIdentity(OmegaConf.load(run_dir / "config.yaml"))
+        root = run_dir.parents[2]   # <results_dir>/<benchmark>/<model>/<leaf>
+        assert run.folder == str(run_dir.relative_to(root))
+        assert run.saved_config == (run_dir / "config.yaml").read_text()
+        assert run.title == f"{run_dir.parent.name} / {run_dir.name}"
