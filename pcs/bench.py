@@ -37,7 +37,7 @@ def composed(**overrides):
 
 
 def build_model(name: str, layers: int, device: str, path: str | None = None):
-    """The embedded/hub model of ``conf/model/<name>`` (or local weights at ``path``), or
+    """The embedded/hub model of ``pcs/conf/model/<name>`` (or local weights at ``path``), or
     ``llama31-shape``: random weights with Llama-3.1-8B's layer shapes and ``layers`` layers."""
     if name == "llama31-shape":
         from transformers import AutoModelForCausalLM, LlamaConfig
@@ -190,7 +190,7 @@ def format_row(row: dict) -> str:
 
 def parse(argv=None):
     parser = argparse.ArgumentParser(prog="python -m pcs.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2", help="a conf/model name, or llama31-shape (random weights)")
+    parser.add_argument("--model", default="smollm2", help="an option of pcs/conf/model, or llama31-shape (random weights)")
     parser.add_argument("--model-path", help="local transformers weights for --model's config")
     parser.add_argument("--layers", type=int, default=4, help="llama31-shape: number of layers")
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])

@@ -14,7 +14,7 @@ each KV head's query heads, average-pooled along tokens and divided by the layer
 top-k over every layer's (KV head, token) pairs spends the whole model's budget; the last
 ``window`` tokens are kept in every head on top.
 
-Open choices, each a knob (conf/method/laprox.yaml): ``gqa`` (``mean_of_scores``: score per query
+Open choices, each a knob (pcs/conf/method/laprox.yaml): ``gqa`` (``mean_of_scores``: score per query
 head, then the group mean; ``attention_first``: the column norm of the group's mean attention times
 the group's mean value norm), ``pool_on`` (``score`` or ``attention``: pool only the attention
 term), ``scope`` (``model``: one top-k over all layers; ``layer``: one per layer, H_kv x (budget -
