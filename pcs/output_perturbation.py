@@ -24,11 +24,9 @@ import torch
 from .benchmarks.base import Sample
 from .cache import CompressedCache
 from .compression import LayerChoices, after_prefill, attention_modules, hooked, window_queries
-from .eviction.base import LayerState, Method, window_positions
+from .eviction.base import Kept, LayerState, Method, window_positions
 from .generate import RunContext, full_kv_bytes
 from .prompts import PromptIds
-
-Kept = list  # per layer: None (layer kept whole) or one LongTensor of positions per KV head
 
 
 @dataclass
@@ -37,9 +35,9 @@ class Prefill:
     first_token: int
     keys: list[torch.Tensor]           # per layer, (H_kv, n, d): the full cache
     values: list[torch.Tensor]
-    kept: dict[object, Kept]           # per variant key
-    stage1: Kept                       # the two-stage variant's stage-1 picks plus the window
-    stage1_prefix: Kept                # its stage-1 picks alone
+    kept: dict[object, list[Kept]]     # per variant key, per layer
+    stage1: list[Kept]                 # per layer, the two-stage variant's stage-1 picks plus the window
+    stage1_prefix: list[Kept]          # per layer, its stage-1 picks alone
     cache: CompressedCache = field(repr=False)
 
 
@@ -71,7 +69,7 @@ def run_prefill(model, input_ids: torch.Tensor, methods: dict, two_stage: Method
                    kept, stage1, stage1_prefix, cache)
 
 
-def compressed_copy(prefill: Prefill, kept: Kept) -> CompressedCache:
+def compressed_copy(prefill: Prefill, kept: list[Kept]) -> CompressedCache:
     """A cache holding, per layer and KV head, only the kept entries of the full prefill cache."""
     cache = CompressedCache(len(prefill.keys))
     for layer, keys, values, idx in zip(cache.layers, prefill.keys, prefill.values, kept):

@@ -7,13 +7,14 @@ interface below and nothing else. A method's module is its class; its config fil
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from ..config import ConfigError
 
 # Per layer: None (the layer is kept whole) or one ascending LongTensor of kept positions per KV head.
-Kept = "list[torch.Tensor] | None"
+Kept = Optional[list[torch.Tensor]]
 
 
 @dataclass

@@ -34,7 +34,7 @@ def read_csv(path) -> pd.DataFrame:
     if "domain" not in df:
         df["domain"] = "average"
     if "table" not in df:
-        df["table"] = df["method"].where(df["method"] != "full", None)
+        df["table"] = df["method"].where(df["budget"].notna(), None)   # the full cache joins every table
     df["benchmark"] = df.get("benchmark", "longbench")
     df["run_dir"] = None
     df["variant"] = ""

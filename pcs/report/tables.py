@@ -22,18 +22,19 @@ def selection_key(label: str):
 
 
 def columns_of(df: pd.DataFrame) -> list[tuple]:
-    """("full", None) first, then (budget, selection) in budget order, baseline before candidate."""
-    cols = [("full", None)] if (df["method"] == "full").any() else []
-    compressed = df[df["method"] != "full"][["budget", "selection"]].drop_duplicates()
+    """("full", None) first (the run without a budget: the full cache), then (budget, selection) in budget
+    order, baseline before candidate."""
+    cols = [("full", None)] if df["budget"].isna().any() else []
+    compressed = df[df["budget"].notna()][["budget", "selection"]].drop_duplicates()
     return cols + sorted(((int(b), s) for b, s in compressed.itertuples(index=False)),
                          key=lambda c: (c[0], selection_key(c[1])))
 
 
 def cell_row(df: pd.DataFrame, model: str, domain: str, col: tuple):
     if col[0] == "full":
-        hit = df[(df["model"] == model) & (df["method"] == "full") & (df["domain"] == domain)]
+        hit = df[(df["model"] == model) & df["budget"].isna() & (df["domain"] == domain)]
     else:
-        hit = df[(df["model"] == model) & (df["method"] != "full") & (df["budget"] == col[0])
+        hit = df[(df["model"] == model) & (df["budget"] == col[0])
                  & (df["selection"] == col[1]) & (df["domain"] == domain)]
     return None if hit.empty else hit.iloc[0]
 
@@ -58,7 +59,8 @@ def block(df: pd.DataFrame, model: str, paper: pd.DataFrame | None = None,
     cols = columns_of(df)
     domains = [d for d in DOMAINS if (df["domain"] == d).any()] + \
               sorted(set(df["domain"]) - set(DOMAINS))
-    method = next(m for m in df["method"].unique() if m != "full") if (df["method"] != "full").any() else "full"
+    budgeted = df[df["budget"].notna()]["method"]
+    method = budgeted.iloc[0] if len(budgeted) else df["method"].iloc[0]
     rows = []
     for domain in domains:
         cells = {}
@@ -66,7 +68,7 @@ def block(df: pd.DataFrame, model: str, paper: pd.DataFrame | None = None,
             row = cell_row(df, model, domain, col)
             ref = None
             if paper is not None:
-                ref = cell_value(paper[paper["method"].isin([method, "full"])], model, domain, col)
+                ref = cell_value(paper[(paper["method"] == method) | paper["budget"].isna()], model, domain, col)
             cells[col] = {"value": None if row is None else float(row["score"]), "paper": ref, "bold": False,
                           "significant": row is not None and (row["run_dir"], domain) in significant}
         for budget in {c[0] for c in cols if c[0] != "full"}:
@@ -169,13 +171,13 @@ def method_comparisons(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
     measured = df[(df["domain"] == "average") & df["run_dir"].notna()]
     tables = {}
     for (benchmark, model, variant), group in measured.groupby(["benchmark", "model", "variant"], sort=True):
-        compressed = group[group["method"] != "full"]
+        compressed = group[group["budget"].notna()]
         if compressed["method"].nunique() < 2:
             continue
         wide = (compressed.drop_duplicates(["method", "selection", "budget"])
                 .pivot(index=["method", "selection"], columns="budget", values="score"))
         wide.columns = [f"b{int(b)}" for b in wide.columns]
-        full = group[group["method"] == "full"]
+        full = group[group["budget"].isna()]
         wide.insert(0, "full", float(full["score"].iloc[0]) if not full.empty else None)
         name = "_".join(filter(None, ["methods", benchmark, model, variant]))
         tables[name] = wide.reset_index()
