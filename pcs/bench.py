@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .config import compose, declared
+from .config import compose, uses
 from .eviction import build_method
 from .generate import greedy_generate
 from .models import load_model, prepare
@@ -131,7 +131,7 @@ def summarize(samples: list[dict]) -> dict:
 def configurations(args):
     yield "full", "none", None
     for method in args.methods:
-        selections = args.selections if "selection" in declared("method", method, "uses", []) else ["none"]
+        selections = args.selections if uses("method", method, "selection") else ["none"]
         for selection in selections:
             for budget in args.budgets:
                 yield method, selection, budget

@@ -60,6 +60,11 @@ def declared(group: str, name: str, key: str, default=None):
     return group_file(group, name).get(f"_{key}_", default)
 
 
+def uses(group: str, name: str, setting: str) -> bool:
+    """Whether a group option declares that it reads the run-level ``setting`` (budget, selection)."""
+    return setting in declared(group, name, "uses", [])
+
+
 def knobs(node: DictConfig) -> dict:
     """A group node's knobs (resolved), without its name and declarations."""
     return {k: v for k, v in OmegaConf.to_container(node, resolve=True).items()

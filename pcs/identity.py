@@ -14,7 +14,7 @@ from functools import cached_property
 
 from omegaconf import DictConfig, OmegaConf
 
-from .config import declared, group_file, is_declaration
+from .config import declared, group_file, is_declaration, uses
 
 # Where files live and which device runs: not part of what a run measures, so not in its name
 # (config.yaml keeps them).
@@ -34,7 +34,7 @@ class RunIdentity:
         self.cfg = cfg
 
     def declares(self, group: str, setting: str) -> bool:
-        return setting in declared(group, self.cfg[group].name, "uses", [])
+        return uses(group, self.cfg[group].name, setting)
 
     @cached_property
     def reads_budget(self) -> bool:

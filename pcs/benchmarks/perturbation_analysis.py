@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import compose, declared, options
+from ..config import compose, options, uses
 from ..plots.output_perturbation import write_figures
 from .base import Benchmark, Sample
 from .longbench import LongBench
@@ -83,25 +83,28 @@ class PerturbationAnalysis(Benchmark):
         configs = {label: self.variant_config(label) for label in self.labels}
         out = {}
         for label, cfg in configs.items():
-            takes = declared("method", cfg.method.name, "uses", [])
-            if "budget" not in takes or ("/" in label and "selection" not in takes):
-                raise ValueError(f"benchmark.selections: {label!r} uses method {cfg.method.name}, which "
-                                 + ("keeps every entry" if "budget" not in takes else
-                                    f"takes no selection (write {cfg.method.name})"))
+            name = cfg.method.name
+            if not uses("method", name, "budget"):
+                raise ValueError(f"benchmark.selections: {label!r} uses method {name}, which keeps every entry")
+            if "/" in label and not uses("method", name, "selection"):
+                raise ValueError(f"benchmark.selections: {label!r} uses method {name}, which takes no selection "
+                                 f"(write {name})")
             for budget in self.budgets:
                 out[(label, budget)] = replaced(cfg, budget=budget)
         return out
 
     def check(self) -> None:
+        """The run's method and the analysis's own knobs; ``variants`` (called by the runner right after)
+        checks every variant."""
         method = self.run_cfg.method.name
-        if "selection" not in declared("method", method, "uses", []):
+        if not uses("method", method, "selection"):
             raise ValueError(f"benchmark=perturbation compares selections of the run's method, which must take one; "
-                             f"method={method} does not (use snapkv, pyramidkv or adakv)")
+                             f"method={method} does not (use one of "
+                             f"{', '.join(m for m in options('method') if uses('method', m, 'selection'))})")
         if len(self.labels) < 2 or len(set(self.labels)) != len(self.labels):
             raise ValueError(f"benchmark.selections={self.labels}: give at least two different variants")
         if self.cfg.source not in SOURCES:
             raise ValueError(f"benchmark.source={self.cfg.source!r}; choose {' or '.join(SOURCES)}")
-        self.variants()   # every variant composes (the runner builds their methods, checking their knobs)
         if self.cfg.source == "longbench":
             longbench = compose(["benchmark=longbench"]).benchmark
             longbench.update(tasks=[self.cfg.task], limit=self.cfg.n_samples, data_dir=self.cfg.data_dir)

@@ -3,7 +3,7 @@
 run-level settings it takes), so adding one touches no other file; see base.py for the interface."""
 from __future__ import annotations
 
-from ..config import ConfigError, declared, knobs, load_class
+from ..config import ConfigError, knobs, load_class, uses
 
 
 def build(group: str, node, **extra):
@@ -22,10 +22,9 @@ def build_selection(selection_cfg):
 def build_method(cfg):
     """The method of a run config: its class built from the ``method`` node's knobs, plus the budget
     and the selection where the method declares it takes them. Bad knobs raise ``ConfigError``."""
-    takes = declared("method", cfg.method.name, "uses", [])
     extra = {}
-    if "budget" in takes:
+    if uses("method", cfg.method.name, "budget"):
         extra["budget"] = cfg.budget
-    if "selection" in takes:
+    if uses("method", cfg.method.name, "selection"):
         extra["selection"] = build_selection(cfg.selection)
     return build("method", cfg.method, **extra)
