@@ -5,16 +5,12 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")   # tests never reach the hub (read when huggingface_hub loads)
 
-from pathlib import Path
-
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
+from pcs.config import CONF_DIR, compose
 from pcs.models import prepare
-
-from pcs.config import CONF_DIR
 
 CONF = str(CONF_DIR)
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -27,8 +23,7 @@ ARCHITECTURES = {
 
 
 def compose_cfg(*overrides: str):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+    return compose(overrides)
 
 
 def tiny_model(arch: str = "llama", seed: int = 0):
