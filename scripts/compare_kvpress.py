@@ -36,10 +36,10 @@ def prompt_ids(context: int, vocab_size: int) -> list[int]:
 
 class PcsWorker:
     def __init__(self, model_dir: str):
-        from pcs.bench import compose
+        from pcs.bench import composed
         from pcs.models import load_model
-        self.compose = compose
-        self.model, _ = load_model(compose(model="smollm2", **{"model.path": model_dir, "model.device": "cpu"}).model)
+        self.compose = composed
+        self.model, _ = load_model(composed(model="smollm2", **{"model.path": model_dir, "model.device": "cpu"}).model)
 
     def time(self, request: dict) -> dict:
         import torch
@@ -133,10 +133,10 @@ def configurations(methods, selections):
 
 
 def compare(args) -> list[dict]:
-    from pcs.bench import compose
+    from pcs.bench import composed
     from pcs.models import weights_location
     from transformers import AutoConfig
-    model_dir = weights_location(compose(model="smollm2").model)
+    model_dir = weights_location(composed(model="smollm2").model)
     vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size
     clients = [Client(sys.executable, "pcs", model_dir), Client(args.kvpress_python, "kvpress", model_dir)]
     rows = []
