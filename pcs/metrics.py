@@ -94,9 +94,11 @@ def official_headroom() -> int:
     return int(out.stdout)
 
 
-def rouge_l(prediction: str, reference: str, **_) -> float:
+def rouge_l(prediction: str, reference: str, official_frames_above: int = 0, **_) -> float:
+    """ROUGE-L F of the ``rouge`` package, with the recursion headroom the official ``rouge_score`` has
+    when ``official_frames_above`` more official frames sit between it and ``scorer``."""
     old_limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(old_limit - _recursion_headroom() + official_headroom())
+    sys.setrecursionlimit(old_limit - _recursion_headroom() + official_headroom() - official_frames_above)
     try:
         return Rouge().get_scores([prediction], [reference], avg=True)["rouge-l"]["f"]
     except Exception:   # the official bare ``except``: empty text, recursion depth, ...
@@ -108,7 +110,8 @@ def rouge_l(prediction: str, reference: str, **_) -> float:
 def rouge_l_zh(prediction: str, reference: str, **_) -> float:
     def spaced(text):
         return " ".join(jieba.cut(text, cut_all=False))
-    return rouge_l(spaced(prediction), spaced(reference))
+    # Officially scorer -> rouge_zh_score -> rouge_score: one frame more than the English path.
+    return rouge_l(spaced(prediction), spaced(reference), official_frames_above=1)
 
 
 def classification(prediction: str, reference: str, all_classes=None, **_) -> float:
@@ -211,8 +214,11 @@ def length_bucket(length: int) -> str:
 
 def longbench_e_scores(task: str, predictions: list[str], answers: list[list[str]], lengths: list[int],
                        all_classes=None, fuzzy_backend: str = "difflib") -> dict[str, float | None]:
-    """LongBench-E: the task's score per length bucket, ``round(100 * np.mean, 2)``; None if empty."""
+    """LongBench-E: the task's score per length bucket; None if empty (officially NaN).
+
+    ``eval.py`` rounds the numpy float64 ``100 * np.mean(scores)``, and numpy's rounding (scale, rint,
+    unscale) can differ from Python's correctly rounded ``round`` in the last digit, so it is kept."""
     buckets: dict[str, list[float]] = {b: [] for b in LENGTH_BUCKETS}
     for prediction, references, length in zip(predictions, answers, lengths, strict=True):
         buckets[length_bucket(length)].append(sample_score(task, prediction, references, all_classes, fuzzy_backend))
-    return {b: round(100 * float(np.mean(s)), 2) if s else None for b, s in buckets.items()}
+    return {b: float(round(100 * np.mean(s), 2)) if s else None for b, s in buckets.items()}

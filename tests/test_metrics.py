@@ -4,8 +4,10 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+import pcs.metrics
 from pcs.metrics import (code_similarity, fuzz_ratio, length_bucket, longbench_e_scores, longbench_score,
                          qa_f1, qa_f1_zh, rouge_l, rouge_l_zh, sample_score)
 
@@ -85,6 +87,27 @@ def test_long_pairs_fail_exactly_where_the_official_script_hits_the_recursion_li
     assert ours(200) == official
 
 
+OFFICIAL_ZH_SHAPE = OFFICIAL_SHAPE.replace("def scorer(preds, ref):", """import jieba
+def rouge_zh_score(p, g):
+    p = " ".join(list(jieba.cut(p, cut_all=False)))
+    g = " ".join(list(jieba.cut(g, cut_all=False)))
+    return rouge_score(p, g)
+def scorer(preds, ref):""").replace("out.append(rouge_score(p, ref))", "out.append(rouge_zh_score(p, ref))")
+
+
+def test_chinese_long_pairs_fail_where_the_official_chinese_path_does():
+    """eval.py reaches ``rouge_score`` through ``rouge_zh_score`` (THUDM/LongBench metrics.py), one frame
+    deeper than the English path, so its limit comes one word earlier."""
+    official = json.loads(subprocess.run([sys.executable, "-c", OFFICIAL_ZH_SHAPE], capture_output=True,
+                                         text=True, check=True).stdout)
+    english = json.loads(subprocess.run([sys.executable, "-c", OFFICIAL_SHAPE], capture_output=True,
+                                        text=True, check=True).stdout)
+    assert official.count(0.0) == english.count(0.0) + 1   # the reference shows the one-frame shift
+    ref = " ".join(f"r{i}" for i in range(40)) + " common"
+    ours = [rouge_l_zh(" ".join(f"w{i}" for i in range(k)) + " common", ref) for k in range(930, 1000)]
+    assert ours == official
+
+
 def test_classification_keeps_the_official_removal_quirk():
     gt = "Description of something"
     # Plain case: one class named.
@@ -138,6 +161,14 @@ def test_task_score_is_the_rounded_mean_of_best_reference_scores():
     assert longbench_score("trec", ["Location", "City"], [["Location"], ["Animal"]], TREC_CLASSES) == 50.0
     with pytest.raises(ValueError, match="unknown LongBench task"):
         longbench_score("nope", ["a"], [["a"]])
+
+
+def test_longbench_e_rounds_a_numpy_float_as_the_official_script(monkeypatch):
+    """eval.py's scorer_e: ``scores[key] = round(100 * np.mean(scores[key]), 2)``, numpy's rounding."""
+    monkeypatch.setattr(pcs.metrics, "sample_score", lambda task, prediction, *a: float(prediction))
+    for mean in (0.28945, 0.55555, 0.14285):
+        got = longbench_e_scores("hotpotqa", [str(mean)], [["x"]], [100])["0-4k"]
+        assert got == float(round(100 * np.mean([mean]), 2)) != round(100 * mean, 2)
 
 
 def test_longbench_e_buckets_by_length():
