@@ -9,8 +9,11 @@ class PromptIds(NamedTuple):
     question: list[int] | None         # fed on the compressed cache, or None
 
 
-def encode_prompt(tokenizer, text: str, model_cfg, use_chat: bool = True, question: str = "") -> PromptIds:
+def encode_prompt(tokenizer, text: str, model_cfg, use_chat: bool = True, question: str = "",
+                  special_tokens_after_chat: bool = False) -> PromptIds:
     """The chat template adds its own special tokens; plain text gets the tokenizer's (the BOS).
+    ``special_tokens_after_chat`` adds the tokenizer's to the chat-formatted text too, as LongBench's
+    ``pred.py`` does (a tokenizer that adds a BOS then starts with two).
 
     With ``question`` (a tail of ``text``), everything from its last occurrence on, chat suffix
     included, is tokenized separately and returned as ``question``. If the text no longer contains
@@ -20,9 +23,10 @@ def encode_prompt(tokenizer, text: str, model_cfg, use_chat: bool = True, questi
     if chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                              add_generation_prompt=True)
+    special = special_tokens_after_chat or not chat
     split = text.rfind(question) if question else -1
     if split <= 0:
-        return PromptIds(tokenizer(text, add_special_tokens=not chat).input_ids, None)
-    context = tokenizer(text[:split], add_special_tokens=not chat).input_ids
+        return PromptIds(tokenizer(text, add_special_tokens=special).input_ids, None)
+    context = tokenizer(text[:split], add_special_tokens=special).input_ids
     tail = tokenizer(text[split:], add_special_tokens=False).input_ids
     return PromptIds(context, tail)

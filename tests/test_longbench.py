@@ -91,6 +91,24 @@ def test_long_prompts_are_cut_in_the_middle(data_dir, tokenizer):
     assert tokenizer.decode(benchmark.encode(sample, tokenizer, cfg.model).context) == sample.prompt
 
 
+def test_pred_py_tokenization_is_an_option(data_dir, embedded_dir):
+    """pred.py (THUDM/LongBench, get_pred): ``input = tokenizer(build_chat(prompt))``, special tokens added to
+    the already chat-formatted text; with a BOS-adding tokenizer the ids start with two BOS."""
+    bos_adding = AutoTokenizer.from_pretrained(embedded_dir, add_bos_token=True)
+    for literal in (False, True):
+        benchmark, cfg = bench(data_dir, f"benchmark.tokenize_like_pred_py={literal}")
+        by_task = {s.meta["task"]: s for s in benchmark.samples()}
+        chat = bos_adding.apply_chat_template([{"role": "user", "content": by_task["hotpotqa"].prompt}],
+                                              tokenize=False, add_generation_prompt=True)
+        pred_py = bos_adding(chat).input_ids
+        ids = benchmark.encode(by_task["hotpotqa"], bos_adding, cfg.model).context
+        assert pred_py[:2] == [bos_adding.bos_token_id] * 2
+        assert ids == (pred_py if literal else pred_py[1:])
+        # Tasks without the chat template are encoded as pred.py does either way.
+        plain = by_task["trec"]
+        assert benchmark.encode(plain, bos_adding, cfg.model).context == bos_adding(plain.prompt).input_ids
+
+
 def test_query_unaware_feeds_the_question_after_compression(data_dir, tokenizer):
     benchmark, cfg = bench(data_dir, "benchmark.query_aware=false", tasks="[hotpotqa]")
     sample = benchmark.samples()[0]

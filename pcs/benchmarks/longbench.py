@@ -102,7 +102,8 @@ class LongBench(Benchmark):
 
     def encode(self, sample: Sample, tokenizer, model_cfg) -> PromptIds:
         prompt = truncate_middle(tokenizer, sample.prompt, model_cfg.max_length)
-        return encode_prompt(tokenizer, prompt, model_cfg, use_chat=sample.chat, question=sample.question)
+        return encode_prompt(tokenizer, prompt, model_cfg, use_chat=sample.chat, question=sample.question,
+                             special_tokens_after_chat=self.cfg.tokenize_like_pred_py)
 
     def data_hashes(self) -> dict:
         folder = self.data_dir()
