@@ -43,6 +43,14 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
+def default_option(group: str) -> str | None:
+    """The option a group takes when the command line names none (config.yaml's defaults list)."""
+    for entry in OmegaConf.load(CONF_DIR / "config.yaml").defaults:
+        if isinstance(entry, DictConfig) and group in entry:
+            return entry[group]
+    return None
+
+
 def group_file(group: str, name: str) -> DictConfig:
     """The file of one option of a group, as written (declarations and default knobs)."""
     path = CONF_DIR / group / f"{name}.yaml"
@@ -92,7 +100,7 @@ def positive_int(value) -> bool:
 def validate(cfg: DictConfig) -> None:
     """Checks of the run-level settings and the model; each method, selection and benchmark checks its
     own knobs when it is built (still before the model loads)."""
-    for group in ("model", "method", "selection", "benchmark"):
+    for group in ("model", "method", "selection", "profile", "benchmark"):
         group_file(group, cfg[group].name)
     one_of("model.dtype", cfg.model.dtype, DTYPES)
     if not positive_int(cfg.budget):

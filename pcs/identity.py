@@ -1,9 +1,10 @@
 """A run's identity, defined once from its config: the folder it writes, the config it saves, how
 tables, plots, significance rows and AlpacaEval's leaderboard name it, and what pairs it with other runs.
 
-A run reads the run-level ``budget`` and ``selection`` only where its method and its benchmark both
-declare them (``_uses_``, see ``pcs.config``): the full cache reads neither, StreamingLLM and LaProx no
-selection, and the perturbation analysis compares the selections it lists itself. What a run does
+A run reads the run-level ``budget``, ``selection`` and ``profile`` only where its method and its benchmark
+both declare them (``_uses_``, see ``pcs.config``): the full cache reads none, StreamingLLM and LaProx no
+selection and no profile, and the perturbation analysis compares the selections it lists itself. A
+profile other than the default, or a changed convention, is part of the method's knobs. What a run does
 not read is left out of everything here, so cells that differ only in it are one run.
 Works on a composed config and on a run folder's saved ``config.yaml`` alike.
 """
@@ -14,7 +15,7 @@ from functools import cached_property
 
 from omegaconf import DictConfig, OmegaConf
 
-from .config import declared, group_file, is_declaration, uses
+from .config import declared, default_option, group_file, is_declaration, uses
 
 # Where files live and which device runs: not part of what a run measures, so not in its name
 # (config.yaml keeps them).
@@ -45,6 +46,11 @@ class RunIdentity:
         return self.declares("method", "selection") and self.declares("benchmark", "selection")
 
     @cached_property
+    def reads_profile(self) -> bool:
+        """Saved configs from before profiles existed have none: the default's conventions applied."""
+        return "profile" in self.cfg and self.declares("method", "profile") and self.declares("benchmark", "profile")
+
+    @cached_property
     def judging_keys(self) -> list[str]:
         """Benchmark knobs that judge outputs without changing them (AlpacaEval's judge)."""
         return list(declared("benchmark", self.cfg.benchmark.name, "judging", []))
@@ -58,8 +64,17 @@ class RunIdentity:
                 if k not in skip and not is_declaration(k) and k in default and current[k] != default[k]]
 
     @cached_property
+    def profile_knobs(self) -> list[str]:
+        """``profile=<name>`` unless it is the default, and each convention changed from the profile's file."""
+        if not self.reads_profile:
+            return []
+        name = self.cfg.profile.name
+        return ([f"profile={name}"] if name != default_option("profile") else []) + self.knobs("profile")
+
+    @cached_property
     def method_knobs(self) -> list[str]:
-        return self.knobs("method")
+        """The method's changed knobs and its conventions (``profile_knobs``)."""
+        return self.knobs("method") + self.profile_knobs
 
     @cached_property
     def setting_knobs(self) -> list[str]:
@@ -89,7 +104,7 @@ class RunIdentity:
             selection = self.cfg.selection.name if self.reads_selection else "none"
             leaf = f"{method}_{selection}_b{self.cfg.budget}"
         groups = ["model", "method", "benchmark"] + (["selection"] if self.reads_selection else [])
-        knobs = [kv for g in groups for kv in self.knobs(g)]
+        knobs = [kv for g in groups for kv in self.knobs(g)] + self.profile_knobs
         trigger = self.cfg.get("compress", {}).get("trigger")
         if trigger is not None:
             knobs.append(f"trigger={trigger}")
@@ -140,11 +155,13 @@ class RunIdentity:
             data.pop(key, None)
         for key in self.judging_keys:
             data["benchmark"].pop(key, None)
-        for group in ("model", "method", "selection", "benchmark"):
+        for group in ("model", "method", "selection", "profile", "benchmark"):
             for key in [k for k in data.get(group, {}) if is_declaration(k)]:
                 del data[group][key]
         if not self.reads_selection:
             data.pop("selection", None)
+        if not self.reads_profile:
+            data.pop("profile", None)
         if not self.reads_budget:
             data.pop("budget", None)
         return data

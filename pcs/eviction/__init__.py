@@ -1,9 +1,11 @@
 """Eviction methods. Each lives in its own module and is named by its config file
 (``pcs/conf/method/<name>.yaml``: ``_target_`` its class, plain keys its knobs, ``_uses_`` the
-run-level settings it takes), so adding one touches no other file; see base.py for the interface."""
+run-level settings it takes: budget, selection, profile), so adding one touches no other file; see
+base.py for the interface and conventions.py for the profile's conventions."""
 from __future__ import annotations
 
 from ..config import ConfigError, knobs, load_class, uses
+from .conventions import Conventions
 
 
 def build(group: str, node, **extra):
@@ -27,4 +29,6 @@ def build_method(cfg):
         extra["budget"] = cfg.budget
     if uses("method", cfg.method.name, "selection"):
         extra["selection"] = build_selection(cfg.selection)
+    if uses("method", cfg.method.name, "profile"):
+        extra["conventions"] = Conventions(**knobs(cfg.profile))
     return build("method", cfg.method, **extra)

@@ -26,6 +26,30 @@ def adaptive_budgets(scores: torch.Tensor, budget: int, window: int, floor: floa
     return largest_remainder(shares, total)
 
 
+def kvpress_budgets(scores: torch.Tensor, budget: int, window: int, safeguard: float) -> torch.Tensor:
+    """kvpress 0.5.5's allocation (``AdaKVPress.compress``), as prefix entries per head: the window scores
+    ``max + 1`` (SnapKVPress), each head's top ``max(1, int(budget * safeguard))`` entries (window first) are
+    protected, then one top-k over the layer's ``H x budget`` entries."""
+    n_kv_heads, n_prefix = scores.shape
+    padded = torch.cat([scores, scores.new_full((n_kv_heads, window), scores.max().item() + 1)], dim=1)
+    n_safe = max(1, int(budget * safeguard)) if safeguard > 0 else 0
+    protected = padded.topk(n_safe, dim=-1).indices
+    padded = padded.scatter(-1, protected, torch.finfo(padded.dtype).max)
+    winners = padded.flatten().topk(n_kv_heads * budget).indices // padded.shape[1]
+    return torch.bincount(winners, minlength=n_kv_heads) - window
+
+
+def official_budgets(scores: torch.Tensor, budget: int, window: int, floor: float) -> torch.Tensor:
+    """The official AdaKV allocation (FFY0/AdaKV ``AdaptiveSnapKVCluster.update_kv_gqa``): with
+    ``B = budget - window``, head h wins ``count_h`` of the layer-wide top ``H x B`` and keeps
+    ``round((1 - a) * count_h + int(a * B))`` prefix entries (so the layer total is what it comes to)."""
+    n_kv_heads, _ = scores.shape
+    b = budget - window
+    winners = scores.flatten().topk(n_kv_heads * b).indices // scores.shape[1]
+    counts = torch.bincount(winners, minlength=n_kv_heads)
+    return torch.round(counts * (1 - floor) + int(b * floor)).long()
+
+
 def largest_remainder(shares: torch.Tensor, total: int) -> torch.Tensor:
     """Round non-negative ``shares`` to integers that sum to ``total`` (Hamilton's method)."""
     base = shares.floor().long()
@@ -45,5 +69,15 @@ class AdaKV(WindowEviction):
         if not 0.0 <= self.floor <= 1.0:
             raise ConfigError(f"method.floor={self.floor} must lie in [0, 1]")
 
+    def protected(self) -> int:
+        if self.conventions.adakv_allocation == "kvpress" and self.floor > 0:
+            return max(0, max(1, int(self.budget * self.floor)) - self.window)
+        return 0
+
     def prefix_budgets(self, layer, stage1_scores):
+        rule = self.conventions.adakv_allocation
+        if rule == "kvpress":
+            return kvpress_budgets(stage1_scores, self.budget, self.window, self.floor)
+        if rule == "official":
+            return official_budgets(stage1_scores, self.budget, self.window, self.floor)
         return adaptive_budgets(stage1_scores, self.budget, self.window, self.floor)

@@ -29,7 +29,7 @@ import torch
 
 from .base import LayerState, Method, check_choice, check_room, window_positions
 from .scores import group_mean, pool_scores, window_attention
-from .selection import topk_sorted
+from .conventions import PAPER
 
 SCOPES = ("model", "layer", "head")
 GQA_MODES = ("mean_of_scores", "attention_first")
@@ -151,8 +151,8 @@ class LaProx(Method):
 
 
 def top_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """``topk_sorted`` that never chooses a -inf entry (padding)."""
-    return topk_sorted(scores, min(k, int((scores > float("-inf")).sum())))
+    """The top ``k`` (earlier position on ties) that never chooses a -inf entry (padding)."""
+    return PAPER.top(scores, min(k, int((scores > float("-inf")).sum())))
 
 
 def split_by_head(flat_positions: torch.Tensor, shape: tuple[int, int]) -> list[torch.Tensor]:

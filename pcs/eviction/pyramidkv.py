@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .conventions import kvpress_ratio
 from .window import WindowEviction
 
 
@@ -27,11 +28,33 @@ def pyramid_layer_budget(layer_idx: int, n_layers: int, budget: int, window: int
     return max(0, min(n_prefix, high - layer_idx * steps))
 
 
+def kvpress_layer_budget(layer_idx: int, n_layers: int, budget: int, window: int, n_tokens: int, beta: int = 20) -> int:
+    """kvpress 0.5.5's per-layer budget (``PyramidKVPress.get_layer_budget``), as prefix entries: float steps,
+    the window counted inside each layer's total, and SnapKV's uniform budget whenever the smallest layer
+    would hold fewer than the window. Computed in floats from the same compression ratio kvpress gets."""
+    ratio = kvpress_ratio(budget, n_tokens)
+    max_capacity_prompt = window + n_tokens * (1 - ratio)
+    min_num = (max_capacity_prompt - window) / beta
+    max_num = (max_capacity_prompt - window) * 2 - min_num
+    if max_num >= n_tokens - window:
+        max_num = n_tokens - window
+        min_num = (max_capacity_prompt - window) * 2 - max_num
+    if not (n_tokens >= max_num >= min_num >= window):
+        return max(1, round(n_tokens * (1 - ratio))) - window
+    steps = (max_num - min_num) / (n_layers - 1) if n_layers > 1 else 0.0
+    return round(max_num - layer_idx * steps) - window
+
+
 @dataclass
 class PyramidKV(WindowEviction):
     beta: int = 20      # the last layer keeps (budget - window) // beta prefix entries
 
     def prefix_budgets(self, layer, stage1_scores):
-        b = pyramid_layer_budget(layer.layer_idx, layer.n_layers, self.budget, self.window,
-                                 stage1_scores.shape[1], self.beta)
-        return torch.full((stage1_scores.shape[0],), b, dtype=torch.long)
+        n_prefix, rule = stage1_scores.shape[1], self.conventions.pyramid_budgets
+        if rule == "kvpress":
+            b = kvpress_layer_budget(layer.layer_idx, layer.n_layers, self.budget, self.window, layer.n_tokens, self.beta)
+        elif rule == "kvcache_factory" and layer.n_tokens < 2 * (self.budget - self.window):
+            b = self.budget - self.window   # KVCache-Factory's branch for short prompts: uniform
+        else:
+            b = pyramid_layer_budget(layer.layer_idx, layer.n_layers, self.budget, self.window, n_prefix, self.beta)
+        return torch.full((stage1_scores.shape[0],), min(b, n_prefix), dtype=torch.long)

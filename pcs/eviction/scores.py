@@ -31,16 +31,17 @@ def window_attention(window_queries: torch.Tensor, keys: torch.Tensor,
     return logits.softmax(dim=-1)
 
 
-def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
-    """1-D pooling along tokens with 'same' padding (SnapKV's clustering step, Alg. 2 line 4)."""
+def pool_scores(scores: torch.Tensor, kernel: int, pooling: str, count_padding: bool = False) -> torch.Tensor:
+    """1-D pooling along tokens with 'same' padding (SnapKV's clustering step, Alg. 2 line 4). Average
+    pooling divides edge tokens by their real neighbours, or with ``count_padding`` by the kernel
+    (``F.avg_pool1d``'s default, which kvpress, official AdaKV and KVCache-Factory use)."""
     if kernel <= 1:
         return scores
     x = scores.unsqueeze(1) if scores.dim() == 2 else scores
     if pooling == "max":
         out = F.max_pool1d(x, kernel_size=kernel, stride=1, padding=kernel // 2)
     elif pooling == "avg":
-        # count_include_pad=False so that edge tokens are not diluted by the zero padding.
-        out = F.avg_pool1d(x, kernel_size=kernel, stride=1, padding=kernel // 2, count_include_pad=False)
+        out = F.avg_pool1d(x, kernel_size=kernel, stride=1, padding=kernel // 2, count_include_pad=count_padding)
     else:
         raise ValueError(f"pooling must be 'max' or 'avg', got {pooling!r}")
     return out.squeeze(1) if scores.dim() == 2 else out

@@ -12,6 +12,7 @@ import torch
 
 from ..config import ConfigError
 from .base import check_choice
+from .conventions import PAPER, Conventions
 from .scores import group_mean, projected_value_norms, rows_per_chunk
 
 STAGE2_SOURCES = ("unpooled", "pooled")
@@ -27,15 +28,9 @@ class WindowScores:
     prefix_values: torch.Tensor     # (H_kv, m, d)
     o_proj_weight: torch.Tensor     # (hidden, H_q * d)
     valid: torch.Tensor | None = None   # (H_kv, m) real entries, when heads are padded
-
-
-def topk_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Positions of the ``k`` highest scores, ascending. Ties (common after max pooling) go to the
-    earlier position, so the choice is deterministic across devices and runs."""
-    if k <= 0:
-        return torch.empty(0, dtype=torch.long, device=scores.device)
-    order = torch.sort(scores, descending=True, stable=True).indices
-    return order[:k].sort().values
+    window: int = 0                     # the observation window, kept on top of the prefix budgets
+    protected: int = 0                  # prefix entries the allocation guarantees each head (kept in stage 1)
+    conventions: Conventions = PAPER    # stage-1 size and tie rule (pcs/conf/profile/)
 
 
 @dataclass
@@ -43,7 +38,7 @@ class AttentionSelection:
     two_stage = False
 
     def select(self, budgets: torch.Tensor, ws: WindowScores) -> list[torch.Tensor]:
-        return [topk_sorted(ws.stage1[h], int(budgets[h])) for h in range(len(budgets))]
+        return [ws.conventions.top(ws.stage1[h], int(budgets[h])) for h in range(len(budgets))]
 
 
 @dataclass
@@ -76,12 +71,19 @@ class PerturbationSelection:
             scores = group_mean(attention, n_kv_heads) * group_mean(norms, n_kv_heads)
         return scores if ws.valid is None else scores.masked_fill(~ws.valid, float("-inf"))
 
-    def stage1_size(self, head_budget: int) -> int:
-        return int(self.alpha * head_budget)
+    def stage1_size(self, prefix_budget: int, window: int, rule: str) -> int:
+        """Prefix entries stage 1 keeps: ``floor(alpha * B_h)`` of the head's prefix budget (``prefix``), or
+        ``int(alpha * b_h)`` of its whole budget with the window counted first (``budget``: the paper's
+        ``b' = b x alpha``, and the released code)."""
+        if rule == "budget":
+            return max(0, int(self.alpha * (prefix_budget + window)) - window)
+        return int(self.alpha * prefix_budget)
 
     def stage1(self, budgets: torch.Tensor, ws: WindowScores) -> list[torch.Tensor]:
-        """Stage 1 of Algorithm 1: per KV head, the top ``floor(alpha * B_h)`` by pooled attention."""
-        return [topk_sorted(ws.stage1[h], self.stage1_size(int(budgets[h]))) for h in range(len(budgets))]
+        """Stage 1 of Algorithm 1: per KV head, the top ``stage1_size`` prefix entries by pooled attention."""
+        sizes = [max(self.stage1_size(int(b), ws.window, ws.conventions.stage1), min(ws.protected, int(b)))
+                 for b in budgets]
+        return [ws.conventions.top(ws.stage1[h], size) for h, size in enumerate(sizes)]
 
     def select(self, budgets: torch.Tensor, ws: WindowScores, exhaustive: bool = False) -> list[torch.Tensor]:
         """Stage 1, then stage 2's top entries. By default stage 2 computes exact scores only where an
@@ -94,7 +96,7 @@ class PerturbationSelection:
             if exhaustive:
                 rest = stage2[h].clone()
                 rest[first] = float("-inf")
-                second = topk_sorted(rest, k)
+                second = ws.conventions.top(rest, k)
             else:
                 second = self.stage2_topk(ws, h, first, k)
             kept.append(torch.cat([first, second]).sort().values)
@@ -144,4 +146,4 @@ class PerturbationSelection:
                 kth = exact.topk(k).values[-1]
                 if bound[order[done]] < kth:
                     break
-        return topk_sorted(exact, k)
+        return ws.conventions.top(exact, k)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import LayerState, Method, check_choice, check_room, window_positions
+from .conventions import PAPER, Conventions
 from .scores import group_mean, pool_scores, window_attention
 from .selection import AttentionSelection, PerturbationSelection, WindowScores
 
@@ -26,6 +27,7 @@ class WindowEviction(Method):
     window: int = 32
     kernel: int = 7
     pooling: str = "max"
+    conventions: Conventions = PAPER
 
     def __post_init__(self):
         check_room(self.budget, self.window)
@@ -39,6 +41,11 @@ class WindowEviction(Method):
         """(H_kv,) prefix entries each KV head keeps, given the (H_kv, m) stage-1 scores of its prefix."""
         raise NotImplementedError
 
+    def protected(self) -> int:
+        """Prefix entries the allocation guarantees every head, by the same ranking as stage 1, so that a
+        two-stage selection keeps them before its second stage (kvpress's AdaKV safeguard)."""
+        return 0
+
     def plan(self, layer: LayerState) -> tuple[WindowScores, torch.Tensor] | None:
         """The layer's prefix scores and per-KV-head prefix budgets, or None if it stays whole."""
         n, w = layer.n_tokens, self.window
@@ -48,9 +55,10 @@ class WindowEviction(Method):
         valid = layer.valid_entries()
         attn = window_attention(layer.window_queries, layer.keys, valid)  # (H_q, w, n)
         mean = attn[:, :, :m].mean(dim=1)                                # (H_q, m)
-        pooled = pool_scores(mean, self.kernel, self.pooling)
+        pooled = pool_scores(mean, self.kernel, self.pooling, self.conventions.avg_pool_padding == "zeros")
         ws = WindowScores(mean, pooled, group_mean(pooled, layer.keys.shape[0]),
-                          layer.values[:, :m], layer.o_proj_weight)
+                          layer.values[:, :m], layer.o_proj_weight, window=w, protected=self.protected(),
+                          conventions=self.conventions)
         if valid is not None:
             ws.valid = valid[:, :m]
             ws.stage1 = ws.stage1.masked_fill(~ws.valid, float("-inf"))

@@ -1,0 +1,59 @@
+"""Conventions: the choices on which the paper's text, NVIDIA kvpress, the official AdaKV code and
+KVCache-Factory differ, each a knob of the ``profile`` config group (pcs/conf/profile/).
+
+A profile sets them all at once; ``profile.<knob>=...`` varies one alone. Budgets stay absolute entries
+per KV head whatever the profile (``kvpress_ratio`` is the one conversion to kvpress's compression ratio).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ConfigError
+
+CHOICES = {
+    "avg_pool_padding": ("real", "zeros"),
+    "stage1": ("prefix", "budget"),
+    "adakv_allocation": ("largest_remainder", "kvpress", "official"),
+    "pyramid_budgets": ("steps", "kvcache_factory", "kvpress"),
+    "ties": ("earlier", "topk"),
+}
+
+
+@dataclass(frozen=True)
+class Conventions:
+    avg_pool_padding: str = "real"
+    stage1: str = "prefix"
+    adakv_allocation: str = "largest_remainder"
+    pyramid_budgets: str = "steps"
+    ties: str = "earlier"
+
+    def __post_init__(self):
+        for key, allowed in CHOICES.items():
+            if getattr(self, key) not in allowed:
+                raise ConfigError(f"profile.{key}={getattr(self, key)!r} is not valid; choose one of: "
+                                  f"{', '.join(allowed)}")
+
+    def top(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        """Ascending positions of the ``k`` highest of 1-D ``scores``, ties broken by the convention:
+        ``earlier`` (stable: deterministic on every device) or ``topk`` (``torch.topk``'s own order)."""
+        if k <= 0:
+            return torch.empty(0, dtype=torch.long, device=scores.device)
+        if self.ties == "topk":
+            return scores.topk(k).indices.sort().values
+        return torch.sort(scores, descending=True, stable=True).indices[:k].sort().values
+
+
+PAPER = Conventions()
+
+
+def kvpress_ratio(budget: int, n_tokens: int) -> float:
+    """kvpress's ``compression_ratio`` that keeps ``budget`` of ``n_tokens`` entries per head: kvpress keeps
+    ``int(n * (1 - ratio))``, so ``1 - budget / n`` is nudged down to the next float for which that
+    product is not rounded to ``budget - 1``."""
+    ratio = 1.0 - budget / n_tokens
+    while int(n_tokens * (1 - ratio)) < budget:
+        ratio = math.nextafter(ratio, -math.inf)
+    return ratio
