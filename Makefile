@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 KVPRESS_VENV ?= .venv-kvpress
 
-.PHONY: setup run test clean compare-kvpress
+.PHONY: setup run test clean compare-kvpress conformance
 
 setup: $(STAMP)
 
@@ -34,6 +34,10 @@ $(KVPRESS_VENV)/.installed:
 
 compare-kvpress: setup $(KVPRESS_VENV)/.installed
 	$(PY) scripts/compare_kvpress.py --kvpress-python $(KVPRESS_VENV)/bin/python
+
+# profile=kvpress against kvpress's presses, entry by entry: writes results/conformance/, fails below 100 %.
+conformance: setup $(KVPRESS_VENV)/.installed
+	$(PY) scripts/conformance.py --kvpress-python $(KVPRESS_VENV)/bin/python
 
 clean:
 	rm -rf $(VENV) $(KVPRESS_VENV) .cache

@@ -19,6 +19,7 @@ CHOICES = {
     "adakv_allocation": ("largest_remainder", "kvpress", "official"),
     "pyramid_budgets": ("steps", "kvcache_factory", "kvpress"),
     "ties": ("earlier", "topk"),
+    "gqa": ("pool_then_mean", "mean_then_pool"),
 }
 
 
@@ -29,6 +30,7 @@ class Conventions:
     adakv_allocation: str = "largest_remainder"
     pyramid_budgets: str = "steps"
     ties: str = "earlier"
+    gqa: str = "pool_then_mean"     # a KV head's scores: its query heads' pooled scores averaged | averaged, then pooled
 
     def __post_init__(self):
         for key, allowed in CHOICES.items():

@@ -55,8 +55,14 @@ class WindowEviction(Method):
         valid = layer.valid_entries()
         attn = window_attention(layer.window_queries, layer.keys, valid)  # (H_q, w, n)
         mean = attn[:, :, :m].mean(dim=1)                                # (H_q, m)
-        pooled = pool_scores(mean, self.kernel, self.pooling, self.conventions.avg_pool_padding == "zeros")
-        ws = WindowScores(mean, pooled, group_mean(pooled, layer.keys.shape[0]),
+        zeros = self.conventions.avg_pool_padding == "zeros"
+        pooled = pool_scores(mean, self.kernel, self.pooling, zeros)
+        n_kv_heads = layer.keys.shape[0]
+        if self.conventions.gqa == "mean_then_pool":   # official AdaKV's gqa_support: the group's attention, pooled
+            stage1 = pool_scores(group_mean(mean, n_kv_heads), self.kernel, self.pooling, zeros)
+        else:
+            stage1 = group_mean(pooled, n_kv_heads)
+        ws = WindowScores(mean, pooled, stage1,
                           layer.values[:, :m], layer.o_proj_weight, window=w, protected=self.protected(),
                           conventions=self.conventions)
         if valid is not None:

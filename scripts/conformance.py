@@ -1,0 +1,224 @@
+"""Which entries pcs keeps against what NVIDIA kvpress 0.5.5 keeps, per (layer, KV head), with profile=kvpress.
+
+    make conformance            # kvpress in its own environment (.venv-kvpress), as make compare-kvpress
+    .venv/bin/python scripts/conformance.py --kvpress-python .venv-kvpress/bin/python [--lengths 1024 2048]
+
+On the embedded model, for real prompts (Paul Graham's essays, and the first multi_news sample of LongBench)
+cut to each length, budgets 128, 256 and 640 (640: PyramidKV without kvpress's uniform fallback), two method
+settings (window 32 / kernel 7, and kvpress's defaults window 64 / kernel 5; average pooling, the only one
+kvpress has), every pcs method x selection that kvpress has a press for runs through the same hooks a real
+run uses, and kvpress's press through its own. kvpress's kept positions are read from what it leaves: the
+keys in its cache matched back to their prefill positions (score-based presses), or the positions it masks
+(AdaKV presses). Writes results/conformance/conformance.csv and README.md; exits 1 below 100 % identical.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LONGBENCH = Path(__file__).resolve().parent / "conformance_data" / "multi_news_first.jsonl"
+FLOOR, SINKS, BETA = 0.2, 4, 20
+SETTINGS = {"w32_k7": (32, 7), "kvpress_defaults": (64, 5)}
+# pcs method, selection overrides -> the kvpress press (and its parameters) that should keep the same entries.
+CASES = {
+    "snapkv": ("snapkv", ["selection=attention"]),
+    "pyramidkv": ("pyramidkv", ["selection=attention"]),
+    "adakv": ("adakv", ["selection=attention"]),
+    "streamingllm": ("streamingllm", []),
+    "criticalkv": ("snapkv", ["selection=perturbation_released"]),
+    "criticalkv_alpha0.25": ("snapkv", ["selection=perturbation_released", "selection.alpha=0.25"]),
+    "criticaladakv": ("adakv", ["selection=perturbation_released"]),
+}
+PRESSES = {"snapkv": "SnapKVPress", "pyramidkv": "PyramidKVPress", "adakv": "AdaKVPress",
+           "streamingllm": "StreamingLLMPress", "criticalkv": "CriticalKVPress(SnapKVPress)",
+           "criticalkv_alpha0.25": "CriticalKVPress(SnapKVPress, first_stage_ratio=0.25)",
+           "criticaladakv": "CriticalAdaKVPress(SnapKVPress)"}
+
+
+# ---- kvpress side (runs in kvpress's environment; imports nothing from pcs) ----
+
+def kvpress_press(case: str, ratio: float, window: int, kernel: int):
+    import kvpress
+    scorer = kvpress.SnapKVPress(compression_ratio=ratio, window_size=window, kernel_size=kernel)
+    if case == "snapkv":
+        return scorer
+    if case == "pyramidkv":
+        return kvpress.PyramidKVPress(compression_ratio=ratio, window_size=window, kernel_size=kernel, beta=BETA)
+    if case == "adakv":
+        return kvpress.AdaKVPress(scorer, alpha_safeguard=FLOOR)
+    if case == "streamingllm":
+        return kvpress.StreamingLLMPress(compression_ratio=ratio, n_sink=SINKS)
+    if case == "criticalkv":
+        return kvpress.CriticalKVPress(scorer)
+    if case == "criticalkv_alpha0.25":
+        return kvpress.CriticalKVPress(scorer, first_stage_ratio=0.25)
+    if case == "criticaladakv":
+        return kvpress.CriticalAdaKVPress(scorer, alpha_safeguard=FLOOR)
+    raise ValueError(case)
+
+
+def kvpress_worker(model_dir: str) -> None:
+    """Reads requests (JSON lines), answers each with the kept positions per layer and KV head."""
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    full = {}
+    for line in sys.stdin:
+        request = json.loads(line)
+        ids = torch.tensor([request["ids"]])
+        key = tuple(request["ids"])
+        with torch.inference_mode():
+            if key not in full:   # the uncompressed keys, to find where each kept key came from
+                cache = DynamicCache()
+                model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                full = {key: [layer.keys[0] for layer in cache.layers]}
+            press = kvpress_press(request["case"], request["ratio"], request["window"], request["kernel"])
+            cache = DynamicCache()
+            with press(model):
+                model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        kept = []
+        for layer_idx, (module, layer) in enumerate(zip([l.self_attn for l in model.model.layers], cache.layers)):
+            masked = getattr(module, "masked_key_indices", None)
+            n_heads, n = layer.keys.shape[1], len(request["ids"])
+            if masked is not None:   # AdaKV presses keep the cache and mask what they evict
+                keep = torch.ones(n_heads, n, dtype=torch.bool)
+                keep[masked[1].cpu(), masked[2].cpu()] = False
+                kept.append([torch.nonzero(k).flatten().tolist() for k in keep])
+            else:
+                heads = []
+                for h in range(n_heads):
+                    where = {row.numpy().tobytes(): i for i, row in enumerate(full[key][layer_idx][h])}
+                    heads.append(sorted(where[row.numpy().tobytes()] for row in layer.keys[0, h]))
+                kept.append(heads)
+        print(json.dumps({"kept": kept}), flush=True)
+
+
+# ---- pcs side ----
+
+def prompts(tokenizer, lengths: list[int]) -> dict[str, list[int]]:
+    from pcs.benchmarks.needle import Haystack, essay_files
+    essays = Haystack(tokenizer, essay_files(None), "").tokens
+    record = json.loads(LONGBENCH.read_text().splitlines()[0])
+    longbench = tokenizer(record["context"], add_special_tokens=False).input_ids
+    out = {}
+    for n in lengths:
+        out[f"essays_{n}"] = essays[:n]
+        if len(longbench) >= n:
+            out[f"multi_news_{n}"] = longbench[:n]
+    return out
+
+
+def pcs_kept(model, ids: list[int], case: str, budget: int, window: int, kernel: int) -> list:
+    import torch
+    from pcs.config import compose
+    from pcs.eviction import build_method
+    from pcs.output_perturbation import run_prefill
+    method_name, overrides = CASES[case]
+    knobs = [f"method.sinks={SINKS}"] if method_name == "streamingllm" else \
+        [f"method.window={window}", f"method.kernel={kernel}", "method.pooling=avg"]
+    if method_name == "adakv":
+        knobs.append(f"method.floor={FLOOR}")
+    method = build_method(compose([f"method={method_name}", f"budget={budget}", "profile=kvpress"] + overrides + knobs))
+    kept = run_prefill(model, torch.tensor([ids]), {"m": method}).kept["m"]
+    n, heads = len(ids), model.config.num_key_value_heads
+    return [[list(range(n))] * heads if layer is None else [sorted(h.tolist()) for h in layer] for layer in kept]
+
+
+def compare(args) -> list[dict]:
+    from pcs.config import compose
+    from pcs.eviction.conventions import kvpress_ratio
+    from pcs.models import load_model, weights_location
+    cfg = compose(["model=smollm2", "model.device=cpu"]).model
+    model, tokenizer = load_model(cfg)
+    worker = subprocess.Popen([args.kvpress_python, __file__, "--worker", "--model-dir", weights_location(cfg)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    rows = []
+    for prompt, ids in prompts(tokenizer, args.lengths).items():
+        for setting, (window, kernel) in SETTINGS.items():
+            for budget in args.budgets:
+                for case in CASES:
+                    if case == "streamingllm" and setting != "w32_k7":
+                        continue   # no window or kernel: once is enough
+                    request = {"ids": ids, "case": case, "ratio": kvpress_ratio(budget, len(ids)),
+                               "window": window, "kernel": kernel}
+                    worker.stdin.write(json.dumps(request) + "\n")
+                    worker.stdin.flush()
+                    line = worker.stdout.readline()
+                    if not line:
+                        raise RuntimeError("the kvpress worker exited (its error is above)")
+                    theirs = json.loads(line)["kept"]
+                    ours = pcs_kept(model, ids, case, budget, window, kernel)
+                    rows.append(summarize(prompt, len(ids), setting, budget, case, ours, theirs))
+                    print(format_row(rows[-1]), flush=True)
+    worker.stdin.close()
+    worker.wait()
+    return rows
+
+
+def summarize(prompt, n, setting, budget, case, ours, theirs) -> dict:
+    pairs = [(set(a), set(b)) for la, lb in zip(ours, theirs, strict=True) for a, b in zip(la, lb, strict=True)]
+    identical = sum(a == b for a, b in pairs)
+    jaccard = sum(len(a & b) / len(a | b) for a, b in pairs) / len(pairs)
+    return {"prompt": prompt, "tokens": n, "setting": setting, "budget": budget, "pcs": case,
+            "kvpress": PRESSES[case], "pairs": len(pairs), "identical": identical,
+            "identical_pct": round(100 * identical / len(pairs), 2), "jaccard": round(jaccard, 6),
+            "kept_pcs": sum(len(a) for a, _ in pairs), "kept_kvpress": sum(len(b) for _, b in pairs)}
+
+
+def format_row(r: dict) -> str:
+    return (f"{r['prompt']:<16} {r['setting']:<16} b{r['budget']:<4} {r['pcs']:<21} identical "
+            f"{r['identical']:>3}/{r['pairs']} ({r['identical_pct']:6.2f} %)  Jaccard {r['jaccard']:.4f}  "
+            f"kept {r['kept_pcs']} / {r['kept_kvpress']}")
+
+
+def write(rows: list[dict], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "conformance.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ["# Conformance: pcs (profile=kvpress) against NVIDIA kvpress 0.5.5", "",
+             "Share of (layer, KV head) pairs whose kept sets are identical, on the embedded SmolLM2 (30 layers x 3 KV",
+             "heads = 90 pairs per cell), written by `make conformance` (scripts/conformance.py).", "",
+             "| pcs | kvpress press | cells | identical | min Jaccard | entries kept (pcs / kvpress) |",
+             "|---|---|---:|---:|---:|---:|"]
+    for case in CASES:
+        mine = [r for r in rows if r["pcs"] == case]
+        share = 100 * sum(r["identical"] for r in mine) / sum(r["pairs"] for r in mine)
+        lines.append(f"| {case} | {PRESSES[case]} | {len(mine)} | {share:.2f} % | {min(r['jaccard'] for r in mine):.4f} | "
+                     f"{sum(r['kept_pcs'] for r in mine)} / {sum(r['kept_kvpress'] for r in mine)} |")
+    lines += ["", "Cells: prompts " + ", ".join(sorted({r["prompt"] for r in rows})) + "; budgets "
+              + ", ".join(map(str, sorted({r["budget"] for r in rows}))) + "; settings "
+              + ", ".join(f"{k} (window {w}, kernel {k2})" for k, (w, k2) in SETTINGS.items()) + ".", ""]
+    (out / "README.md").write_text("\n".join(lines))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kvpress-python", help="the Python of an environment with kvpress 0.5.5")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 640])
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "conformance")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        kvpress_worker(args.model_dir)
+        return 0
+    if not args.kvpress_python:
+        parser.error("--kvpress-python is required (make conformance builds .venv-kvpress)")
+    rows = compare(args)
+    write(rows, args.out)
+    below = [r for r in rows if r["identical"] < r["pairs"]]
+    print(f"[pcs] conformance: {len(rows) - len(below)} of {len(rows)} cells 100 % identical; {args.out / 'README.md'}")
+    return 1 if below else 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())
