@@ -5,6 +5,9 @@ Before compression a layer is dense, (1, H_kv, n, d), like transformers' ``Dynam
 entries (AdaKV, PyramidKV) and the evicted ones are freed, not masked. Decoding then appends one
 entry per head and attends head by head (``ragged_attention``, registered as the ``pcs`` attention
 implementation). Batch size is 1, as in the evaluation protocols this harness follows.
+
+A method may also choose per query head (official AdaKV's default GQA mode): a KV head then stores the
+union of its query heads' entries once, with a (group, n_h) mask of the entries each query head sees.
 """
 from __future__ import annotations
 
@@ -18,6 +21,15 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 ATTN_IMPLEMENTATION = "pcs"
 
 
+class HeadKeys(list):
+    """A compressed layer's per-KV-head (n_h, d) keys, and for each head None (its query heads see every
+    entry) or the (group, n_h) boolean mask of the entries each of its query heads sees."""
+
+    def __init__(self, keys, masks):
+        super().__init__(keys)
+        self.masks = masks
+
+
 class CompressibleLayer(CacheLayerMixin):
     """One layer's cache: dense until ``compress``, then a list of per-KV-head tensors."""
     is_sliding = False
@@ -26,6 +38,7 @@ class CompressibleLayer(CacheLayerMixin):
         super().__init__()
         self.head_keys: list[torch.Tensor] | None = None    # ragged storage, once compressed
         self.head_values: list[torch.Tensor] | None = None
+        self.head_masks: list[torch.Tensor | None] | None = None   # per KV head, when query heads choose apart
         self.n_positions = 0   # tokens seen, i.e. the next position id (not the number held)
         self.recent_queries: torch.Tensor | None = None   # (H_q, <=w, d), kept for recompression
 
@@ -44,10 +57,14 @@ class CompressibleLayer(CacheLayerMixin):
             raise ValueError("the compressed cache supports batch size 1")
         self.n_positions += key_states.shape[-2]
         if self.is_ragged:
+            new = key_states.shape[-2]
             for h in range(len(self.head_keys)):
                 self.head_keys[h] = torch.cat([self.head_keys[h], key_states[0, h]])
                 self.head_values[h] = torch.cat([self.head_values[h], value_states[0, h]])
-            return self.head_keys, self.head_values
+                mask = self.head_masks[h]
+                if mask is not None:   # new tokens are seen by every query head
+                    self.head_masks[h] = torch.cat([mask, mask.new_ones(mask.shape[0], new)], dim=1)
+            return HeadKeys(self.head_keys, self.head_masks), self.head_values
         if self.keys is None:
             self.keys, self.values = key_states, value_states
         else:
@@ -57,13 +74,28 @@ class CompressibleLayer(CacheLayerMixin):
 
     def compress(self, kept: list[torch.Tensor]) -> None:
         """Keep, for KV head h, the entries at ``kept[h]`` (indices into what the head holds now);
-        everything else is released. Works on a dense layer and again on a compressed one."""
+        everything else is released. Works on a dense layer and again on a compressed one. With one
+        list per query head (more lists than KV heads), each KV head keeps the union of its query heads'
+        entries and masks, per query head, the ones that head did not choose."""
         if self.is_ragged:
+            if any(m is not None for m in self.head_masks):
+                raise RuntimeError("a layer whose query heads chose apart cannot be compressed again")
             keys, values = self.head_keys, self.head_values
         else:
             keys, values = self.dense()
+        n_kv_heads = len(keys)
+        masks = [None] * n_kv_heads
+        if len(kept) > n_kv_heads:
+            group = len(kept) // n_kv_heads
+            per_query_head, kept = kept, []
+            for g in range(n_kv_heads):
+                mine = per_query_head[g * group:(g + 1) * group]
+                union = torch.unique(torch.cat(mine))                    # sorted
+                masks[g] = torch.stack([torch.isin(union, idx) for idx in mine])
+                kept.append(union)
         self.head_keys = [keys[h].index_select(0, idx).contiguous() for h, idx in enumerate(kept)]
         self.head_values = [values[h].index_select(0, idx).contiguous() for h, idx in enumerate(kept)]
+        self.head_masks = masks
         self.keys = self.values = None
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +152,8 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
     """Attention for the ``pcs`` implementation: dense layers go to SDPA; ragged ones head by head.
 
     For a ragged layer ``key``/``value`` are lists of (n_h, d) tensors whose last ``q_len`` rows are
-    the new tokens; each new query sees every held entry of its KV head and the new tokens up to itself.
+    the new tokens; each new query sees every held entry of its KV head (or, where the layer's query heads
+    chose apart, the entries its own mask shows) and the new tokens up to itself.
     """
     if not isinstance(key, list):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -134,6 +167,9 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
             n_h = k.shape[0]
             mask = torch.ones(q_len, n_h, dtype=torch.bool, device=k.device)
             mask[:, n_h - q_len:] = torch.ones(q_len, q_len, dtype=torch.bool, device=k.device).tril()
+        if key.masks[h] is not None:   # (group, n_h): each query head sees its own entries
+            seen = key.masks[h][:, None, :]
+            mask = seen if mask is None else seen & mask[None]
         q = query[:, h * group:(h + 1) * group]                      # (1, group, q_len, d)
         out[:, h * group:(h + 1) * group] = F.scaled_dot_product_attention(
             q, k[None, None], v[None, None], attn_mask=mask, scale=scaling, enable_gqa=True)

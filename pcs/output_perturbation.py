@@ -104,7 +104,7 @@ def head_perturbation(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     """Per query head: ``||(o_full - o_kept) W^O_h||_1`` and the full attention (H_q, N).
 
     ``query`` (H_q, d) of the new token; ``keys``/``values`` (H_kv, N, d) end with the new token, which
-    every cache holds. ``kept`` lists the kept prompt positions per KV head (None: all)."""
+    every cache holds. ``kept`` lists the kept prompt positions per KV head, or per query head (None: all)."""
     n_q, d = query.shape
     n_kv, n_all = keys.shape[0], keys.shape[1]
     group = n_q // n_kv
@@ -117,9 +117,10 @@ def head_perturbation(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
         logits = (q[rows] @ k[g].T) * scaling                        # (group, N)
         attention[rows] = logits.softmax(-1)
         if kept is not None:
-            idx = torch.cat([kept[g].to(q.device), new])
-            partial = logits[:, idx].softmax(-1) @ v[g, idx]
-            diff[rows] = attention[rows] @ v[g] - partial
+            for h in range(rows.start, rows.stop):
+                idx = torch.cat([kept[h if len(kept) == n_q else g].to(q.device), new])
+                partial = logits[h - rows.start, idx].softmax(-1) @ v[g, idx]
+                diff[h] = attention[h] @ v[g] - partial
     w = o_proj_weight.float().view(o_proj_weight.shape[0], n_q, d)     # (hidden, H_q, d)
     return torch.einsum("hd,ohd->ho", diff, w).abs().sum(-1), attention
 
@@ -128,7 +129,7 @@ def attention_mass(attention: torch.Tensor, positions: list[torch.Tensor] | None
     """Per query head, the attention held by its KV head's ``positions`` (NaN if the layer was kept whole)."""
     if positions is None:
         return torch.full((attention.shape[0],), float("nan"))
-    group = attention.shape[0] // len(positions)
+    group = attention.shape[0] // len(positions)   # 1 where query heads chose apart
     return torch.stack([attention[h, positions[h // group].to(attention.device)].sum()
                         for h in range(attention.shape[0])]).cpu()
 

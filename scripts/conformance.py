@@ -100,6 +100,29 @@ def kvpress_worker(model_dir: str) -> None:
 
 # ---- pcs side ----
 
+TIES = []   # cuts, in the current cell, where a kept and an evicted entry score the same
+
+
+def counting_ties(conventions):
+    """The method's conventions, counting every cut that falls inside a tie (there the order is torch.topk's
+    own, and exact agreement holds up to ties)."""
+    from dataclasses import asdict
+
+    import torch
+    from pcs.eviction.conventions import Conventions
+
+    class CountingTies(Conventions):
+        def top(self, scores, k):
+            kept = super().top(scores, k)
+            finite = torch.isfinite(scores)
+            if 0 < k < int(finite.sum()):
+                evicted = scores.clone()
+                evicted[kept] = float("-inf")
+                TIES.append(bool(evicted.max() == scores[kept].min()))
+            return kept
+
+    return CountingTies(**asdict(conventions))
+
 def prompts(tokenizer, lengths: list[int]) -> dict[str, list[int]]:
     from pcs.benchmarks.needle import Haystack, essay_files
     essays = Haystack(tokenizer, essay_files(None), "").tokens
@@ -124,6 +147,9 @@ def pcs_kept(model, ids: list[int], case: str, budget: int, window: int, kernel:
     if method_name == "adakv":
         knobs.append(f"method.floor={FLOOR}")
     method = build_method(compose([f"method={method_name}", f"budget={budget}", "profile=kvpress"] + overrides + knobs))
+    if hasattr(method, "conventions"):
+        method.conventions = counting_ties(method.conventions)
+    TIES.clear()
     kept = run_prefill(model, torch.tensor([ids]), {"m": method}).kept["m"]
     n, heads = len(ids), model.config.num_key_value_heads
     return [[list(range(n))] * heads if layer is None else [sorted(h.tolist()) for h in layer] for layer in kept]
@@ -167,7 +193,8 @@ def summarize(prompt, n, setting, budget, case, ours, theirs) -> dict:
     return {"prompt": prompt, "tokens": n, "setting": setting, "budget": budget, "pcs": case,
             "kvpress": PRESSES[case], "pairs": len(pairs), "identical": identical,
             "identical_pct": round(100 * identical / len(pairs), 2), "jaccard": round(jaccard, 6),
-            "kept_pcs": sum(len(a) for a, _ in pairs), "kept_kvpress": sum(len(b) for _, b in pairs)}
+            "kept_pcs": sum(len(a) for a, _ in pairs), "kept_kvpress": sum(len(b) for _, b in pairs),
+            "ties_at_cut": sum(TIES)}
 
 
 def format_row(r: dict) -> str:
@@ -185,14 +212,17 @@ def write(rows: list[dict], out: Path) -> None:
     lines = ["# Conformance: pcs (profile=kvpress) against NVIDIA kvpress 0.5.5", "",
              "Share of (layer, KV head) pairs whose kept sets are identical, on the embedded SmolLM2 (30 layers x 3 KV",
              "heads = 90 pairs per cell), written by `make conformance` (scripts/conformance.py).", "",
-             "| pcs | kvpress press | cells | identical | min Jaccard | entries kept (pcs / kvpress) |",
-             "|---|---|---:|---:|---:|---:|"]
+             "| pcs | kvpress press | cells | identical | min Jaccard | entries kept (pcs / kvpress) | ties at the cut |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for case in CASES:
         mine = [r for r in rows if r["pcs"] == case]
         share = 100 * sum(r["identical"] for r in mine) / sum(r["pairs"] for r in mine)
         lines.append(f"| {case} | {PRESSES[case]} | {len(mine)} | {share:.2f} % | {min(r['jaccard'] for r in mine):.4f} | "
-                     f"{sum(r['kept_pcs'] for r in mine)} / {sum(r['kept_kvpress'] for r in mine)} |")
-    lines += ["", "Cells: prompts " + ", ".join(sorted({r["prompt"] for r in rows})) + "; budgets "
+                     f"{sum(r['kept_pcs'] for r in mine)} / {sum(r['kept_kvpress'] for r in mine)} | "
+                     f"{sum(r['ties_at_cut'] for r in mine)} |")
+    lines += ["", "Ties at the cut: selections (per head and stage) whose last kept and first evicted entry score the "
+              "same in pcs; there both follow torch.topk's order, so agreement there holds up to ties.", "",
+              "Cells: prompts " + ", ".join(sorted({r["prompt"] for r in rows})) + "; budgets "
               + ", ".join(map(str, sorted({r["budget"] for r in rows}))) + "; settings "
               + ", ".join(f"{k} (window {w}, kernel {k2})" for k, (w, k2) in SETTINGS.items()) + ".", ""]
     (out / "README.md").write_text("\n".join(lines))

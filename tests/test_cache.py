@@ -48,7 +48,7 @@ def masked_reference_logits(model, input_ids, kept, n_steps, tokens, question=No
         if kv_len > q_len and heads is not None:
             for h in range(query.shape[1]):
                 held = torch.zeros(n, dtype=torch.bool)
-                held[heads[h // group]] = True
+                held[heads[h if len(heads) == query.shape[1] else h // group]] = True   # per query head, or KV head
                 allowed[h, :, :n] &= held
         k = key.repeat_interleave(group, dim=1)
         v = value.repeat_interleave(group, dim=1)
@@ -102,6 +102,34 @@ def test_decoding_on_compressed_cache_equals_masked_full_attention(arch, name, s
     # Held entries per head: what was kept plus the decoded tokens.
     for l, layer in enumerate(cache.layers):
         assert layer.entries_per_head() == [len(k) + len(tokens) for k in spy.kept[l]]
+
+
+@pytest.mark.parametrize("name,profile", [("adakv", ["profile=adakv"]), ("snapkv", ["profile.gqa=per_query_head"])])
+def test_decoding_where_query_heads_chose_apart_equals_masked_full_attention(arch, name, profile):
+    """Official AdaKV's default GQA mode: every query head keeps its own entries; a KV head stores their
+    union once and each query head attends to its own."""
+    model = tiny_model(arch)
+    torch.manual_seed(4)
+    input_ids, question = torch.randint(0, 256, (1, 96)), torch.randint(0, 256, (1, 5))
+    tokens = torch.randint(0, 256, (4,)).tolist()
+    cfg = compose_cfg(f"method={name}", "selection=attention", "budget=40", "method.window=8", *profile)
+    spy = Spy(build_method(cfg))
+    with torch.no_grad():
+        got, cache = compressed_logits(model, input_ids, spy, tokens, question)
+        want = masked_reference_logits(model, input_ids, spy.kept, len(tokens), tokens, question)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    cfg_m = model.config
+    group = cfg_m.num_attention_heads // cfg_m.num_key_value_heads
+    d = cfg_m.hidden_size // cfg_m.num_attention_heads
+    for l, layer in enumerate(cache.layers):
+        kept = spy.kept[l]
+        assert len(kept) == cfg_m.num_attention_heads                      # one choice per query head
+        unions = [set().union(*(set(k.tolist()) for k in kept[g * group:(g + 1) * group]))
+                  for g in range(cfg_m.num_key_value_heads)]
+        new = 5 + len(tokens)
+        assert layer.entries_per_head() == [len(u) + new for u in unions]  # shared entries stored once
+        assert layer.nbytes() == sum(len(u) + new for u in unions) * 2 * d * 4
+        assert sum(len(u) for u in unions) < sum(len(k) for k in kept)    # the union saves something here
 
 
 @pytest.mark.parametrize("name", ["snapkv", "adakv"])

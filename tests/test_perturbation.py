@@ -18,9 +18,9 @@ from conftest import compose_cfg, tiny_model
 WINDOW = 8
 
 
-def method(selection, budget, name="snapkv"):
+def method(selection, budget, name="snapkv", *overrides):
     return build_method(compose_cfg(f"method={name}", f"selection={selection}", f"budget={budget}",
-                                    f"method.window={WINDOW}"))
+                                    f"method.window={WINDOW}", *overrides))
 
 
 def eager_first_step(model, input_ids, token):
@@ -37,14 +37,15 @@ def eager_first_step(model, input_ids, token):
     return [a[0, :, 0] for a in out.attentions], [layer.values[0] for layer in cache.layers]
 
 
-@pytest.mark.parametrize("name", ["snapkv", "adakv"])
-def test_headwise_perturbation_is_the_projected_attention_difference(arch, name):
+@pytest.mark.parametrize("name,profile", [("snapkv", []), ("adakv", []), ("adakv", ["profile=adakv"])])
+def test_headwise_perturbation_is_the_projected_attention_difference(arch, name, profile):
     """||(A - A') V W^O_h||_1 with A from eager attention and A' = A restricted to the kept entries
-    (and the new token), renormalised."""
+    (and the new token), renormalised; per query head where query heads choose apart (profile=adakv)."""
     model = tiny_model(arch)
     torch.manual_seed(3)
     input_ids = torch.randint(0, 256, (1, 120))
-    methods = {"attention": method("attention", 40, name), "perturbation": method("perturbation", 40, name)}
+    methods = {"attention": method("attention", 40, name, *profile),
+               "perturbation": method("perturbation", 40, name, *profile)}
     prefill = run_prefill(model, input_ids, methods, methods["perturbation"])
     got = measure(model, prefill, list(methods), [])
     attentions, values = eager_first_step(model, input_ids, prefill.first_token)
@@ -57,7 +58,8 @@ def test_headwise_perturbation_is_the_projected_attention_difference(arch, name)
             W = model.model.layers[l].self_attn.o_proj.weight
             for h in range(cfg.num_attention_heads):
                 keep = torch.zeros(n + 1, dtype=torch.bool)
-                keep[prefill.kept[key][l][h // group]] = True
+                heads = prefill.kept[key][l]
+                keep[heads[h if len(heads) == cfg.num_attention_heads else h // group]] = True
                 keep[n] = True
                 A_kept = torch.where(keep, A[h], 0.0)
                 A_kept = A_kept / A_kept.sum()

@@ -131,3 +131,45 @@ def test_official_adakv_allocation_and_choice(seed, pooling):
         assert all(score[h, i] == cut for i in ours ^ set(want[h]))
         if pooling == "avgpool":
             assert ours == set(want[h])
+
+
+def official_adakv_wo_gqa(keys, queries, window, kernel, budget, floor_alpha):
+    """AdaptiveSnapKVCluster with gqa_support=False (update_kv_wo_gqa, lines 507-620: repeat_kv, every query
+    head scored, pooled (max) and given its own budget): kept prefix positions per query head."""
+    h_kv, n, d = keys.shape
+    h_q = queries.shape[0]
+    key_states = keys[None].repeat_interleave(h_q // h_kv, dim=1)
+    attn_weights = torch.matmul(queries[None][..., -window:, :], key_states.transpose(2, 3)) / math.sqrt(d)
+    mask = torch.full((window, window), torch.finfo(attn_weights.dtype).min)
+    mask_cond = torch.arange(mask.size(-1))
+    mask.masked_fill_(mask_cond < (mask_cond + 1).view(mask.size(-1), 1), 0)
+    attn_weights[:, :, -window:, -window:] += mask[None, None]
+    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32)
+    attn_score = F.max_pool1d(attn_weights[:, :, -window:, :-window].mean(dim=-2), kernel_size=kernel,
+                              padding=kernel // 2, stride=1)
+    base_capacity = budget - window
+    sorted_score, sorted_idx = attn_score.sort(dim=-1, descending=True)
+    length = sorted_score.size(-1)
+    top = torch.topk(sorted_score.reshape(1, length * h_q), k=h_q * base_capacity, dim=-1).indices // length
+    capacity = torch.zeros((1, h_q), dtype=top.dtype).scatter_add_(-1, top, torch.ones_like(top))
+    capacity = torch.round(capacity * (1 - floor_alpha) + int(base_capacity * floor_alpha)).int()
+    return [sorted(sorted_idx[0, h, :capacity[0, h]].tolist()) for h in range(h_q)], attn_score[0]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_official_adakv_per_query_head(seed):
+    g = torch.Generator().manual_seed(seed)
+    h_kv, h_q, n, d, window, budget = 2, 6, 160, 16, 8, 40
+    keys, queries = torch.randn(h_kv, n, d, generator=g), torch.randn(h_q, window, d, generator=g) * 2
+    layer = LayerState(0, 1, keys, torch.randn(h_kv, n, d, generator=g), queries, torch.randn(24, h_q * d, generator=g))
+    want, score = official_adakv_wo_gqa(keys, torch.cat([torch.zeros(h_q, n - window, d), queries], dim=1),
+                                        window, 7, budget, 0.2)
+    method = build_method(compose_cfg("method=adakv", "profile=adakv", "selection=attention", f"budget={budget}",
+                                      f"method.window={window}"))
+    got = method.keep(layer)
+    assert len(got) == h_q
+    for h in range(h_q):
+        ours = set(got[h].tolist()) - set(range(n - window, n))
+        assert len(ours) == len(want[h])
+        cut = score[h, want[h]].min()   # exact up to ties of the max-pooled scores
+        assert all(score[h, i] == cut for i in ours ^ set(want[h]))

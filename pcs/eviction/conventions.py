@@ -19,7 +19,7 @@ CHOICES = {
     "adakv_allocation": ("largest_remainder", "kvpress", "official"),
     "pyramid_budgets": ("steps", "kvcache_factory", "kvpress"),
     "ties": ("earlier", "topk"),
-    "gqa": ("pool_then_mean", "mean_then_pool"),
+    "gqa": ("pool_then_mean", "mean_then_pool", "per_query_head"),
 }
 
 
@@ -30,7 +30,9 @@ class Conventions:
     adakv_allocation: str = "largest_remainder"
     pyramid_budgets: str = "steps"
     ties: str = "earlier"
-    gqa: str = "pool_then_mean"     # a KV head's scores: its query heads' pooled scores averaged | averaged, then pooled
+    # A KV head's scores: its query heads' pooled scores averaged | averaged, then pooled | none: every query
+    # head keeps its own budget of its KV head's entries (official AdaKV's gqa_support=False).
+    gqa: str = "pool_then_mean"
 
     def __post_init__(self):
         for key, allowed in CHOICES.items():

@@ -47,7 +47,8 @@ class WindowEviction(Method):
         return 0
 
     def plan(self, layer: LayerState) -> tuple[WindowScores, torch.Tensor] | None:
-        """The layer's prefix scores and per-KV-head prefix budgets, or None if it stays whole."""
+        """The layer's prefix scores and prefix budgets, one row per KV head (per query head where query
+        heads choose apart, ``gqa=per_query_head``), or None if the layer stays whole."""
         n, w = layer.n_tokens, self.window
         if n <= self.budget:
             return None
@@ -57,13 +58,16 @@ class WindowEviction(Method):
         mean = attn[:, :, :m].mean(dim=1)                                # (H_q, m)
         zeros = self.conventions.avg_pool_padding == "zeros"
         pooled = pool_scores(mean, self.kernel, self.pooling, zeros)
-        n_kv_heads = layer.keys.shape[0]
+        n_kv_heads, values = layer.keys.shape[0], layer.values[:, :m]
         if self.conventions.gqa == "mean_then_pool":   # official AdaKV's gqa_support: the group's attention, pooled
             stage1 = pool_scores(group_mean(mean, n_kv_heads), self.kernel, self.pooling, zeros)
+        elif self.conventions.gqa == "per_query_head":   # each query head chooses alone: one row per query head
+            group = mean.shape[0] // n_kv_heads
+            stage1, values = pooled, values.repeat_interleave(group, dim=0)
+            valid = None if valid is None else valid.repeat_interleave(group, dim=0)
         else:
             stage1 = group_mean(pooled, n_kv_heads)
-        ws = WindowScores(mean, pooled, stage1,
-                          layer.values[:, :m], layer.o_proj_weight, window=w, protected=self.protected(),
+        ws = WindowScores(mean, pooled, stage1, values, layer.o_proj_weight, window=w, protected=self.protected(),
                           conventions=self.conventions)
         if valid is not None:
             ws.valid = valid[:, :m]
