@@ -173,3 +173,39 @@ def test_official_adakv_per_query_head(seed):
         assert len(ours) == len(want[h])
         cut = score[h, want[h]].min()   # exact up to ties of the max-pooled scores
         assert all(score[h, i] == cut for i in ours ^ set(want[h]))
+
+
+@pytest.mark.slow
+def test_official_adakv_on_the_embedded_models_real_tensors(embedded_dir):
+    """Both official GQA modes on real keys and window queries of the embedded model (an essay prompt)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pcs.benchmarks.needle import Haystack, essay_files
+    from pcs.cache import CompressedCache
+    from pcs.compression import after_prefill
+    from pcs.models import prepare
+    model = prepare(AutoModelForCausalLM.from_pretrained(embedded_dir))
+    ids = Haystack(AutoTokenizer.from_pretrained(embedded_dir), essay_files(None), "").tokens[:700]
+    window, budget, states = 32, 128, {}
+    cache = CompressedCache(model.config.num_hidden_layers)
+    with torch.no_grad(), after_prefill(model, cache, window,
+                                        lambda state, layer: states.__setitem__(state.layer_idx, state)):
+        model(input_ids=torch.tensor([ids]), use_cache=True, past_key_values=cache)
+    n = len(ids)
+    for gqa, official in (("per_query_head", official_adakv_wo_gqa), ("mean_then_pool", None)):
+        method = build_method(compose_cfg("method=adakv", "profile=adakv", f"profile.gqa={gqa}", "selection=attention",
+                                          f"budget={budget}"))
+        for l in (0, 14, 29):
+            state = states[l]
+            queries = torch.cat([torch.zeros(state.window_queries.shape[0], n - window, 64), state.window_queries], 1)
+            if official is None:
+                want, score = official_adakv_gqa(state.keys, queries, window, 7, "maxpool", budget, 0.2)
+            else:
+                want, score = official(state.keys, queries, window, 7, budget, 0.2)
+            got = method.keep(state)
+            assert len(got) == len(want)
+            for h, kept in enumerate(got):
+                ours = set(kept.tolist()) - set(range(n - window, n))
+                assert len(ours) == len(want[h])
+                cut = score[h, want[h]].min()
+                assert all(score[h, i] == cut for i in ours ^ set(want[h]))
