@@ -9,7 +9,7 @@ from pcs.eviction import build_method
 
 from conftest import CONF, compose_cfg
 
-GROUPS = {g: sorted(p.stem for p in (Path(CONF) / g).glob("*.yaml")) for g in ("model", "method", "selection", "benchmark")}
+GROUPS = {g: sorted(p.stem for p in (Path(CONF) / g).glob("*.yaml")) for g in ("model", "method", "selection", "profile", "preset", "benchmark")}
 
 
 def test_defaults_are_the_embedded_main_job():
