@@ -57,14 +57,13 @@ class CompressibleLayer(CacheLayerMixin):
             raise ValueError("the compressed cache supports batch size 1")
         self.n_positions += key_states.shape[-2]
         if self.is_ragged:
-            new = key_states.shape[-2]
+            new, masks = key_states.shape[-2], self.query_head_masks()
             for h in range(len(self.head_keys)):
                 self.head_keys[h] = torch.cat([self.head_keys[h], key_states[0, h]])
                 self.head_values[h] = torch.cat([self.head_values[h], value_states[0, h]])
-                mask = self.head_masks[h]
-                if mask is not None:   # new tokens are seen by every query head
-                    self.head_masks[h] = torch.cat([mask, mask.new_ones(mask.shape[0], new)], dim=1)
-            return HeadKeys(self.head_keys, self.head_masks), self.head_values
+                if masks[h] is not None:   # new tokens are seen by every query head
+                    masks[h] = torch.cat([masks[h], masks[h].new_ones(masks[h].shape[0], new)], dim=1)
+            return HeadKeys(self.head_keys, masks), self.head_values
         if self.keys is None:
             self.keys, self.values = key_states, value_states
         else:
@@ -78,7 +77,7 @@ class CompressibleLayer(CacheLayerMixin):
         list per query head (more lists than KV heads), each KV head keeps the union of its query heads'
         entries and masks, per query head, the ones that head did not choose."""
         if self.is_ragged:
-            if any(m is not None for m in self.head_masks):
+            if any(m is not None for m in self.query_head_masks()):
                 raise RuntimeError("a layer whose query heads chose apart cannot be compressed again")
             keys, values = self.head_keys, self.head_values
         else:
@@ -97,6 +96,12 @@ class CompressibleLayer(CacheLayerMixin):
         self.head_values = [values[h].index_select(0, idx).contiguous() for h, idx in enumerate(kept)]
         self.head_masks = masks
         self.keys = self.values = None
+
+    def query_head_masks(self) -> list[torch.Tensor | None]:
+        """Per KV head of a compressed layer: None, or the (group, n_h) mask of the entries each query head sees."""
+        if self.head_masks is None:
+            self.head_masks = [None] * len(self.head_keys)
+        return self.head_masks
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(H_kv, n, d) keys and values of a layer that has not been compressed."""
