@@ -23,6 +23,15 @@ def save(fig, path: Path) -> None:
     plt.close(fig)
 
 
+def labelled(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> None:
+    """Axis labels, title and legend of a one-panel figure, then save it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    save(fig, path)
+
+
 def headwise_scatter(metrics: dict, path: Path) -> None:
     base = metrics["baseline"]
     others = list(metrics["comparisons"])
@@ -52,11 +61,7 @@ def layerwise(metrics: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for label, curve in metrics["layerwise"].items():
         ax.plot(range(len(curve)), curve, marker="o", ms=3, label=label)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("L1 distance of the layer output")
-    ax.set_title(f"Layer-wise perturbation, budget {metrics['budget']}")
-    ax.legend()
-    save(fig, path)
+    labelled(fig, ax, path, "layer", "L1 distance of the layer output", f"Layer-wise perturbation, budget {metrics['budget']}")
 
 
 def final_layer_per_sample(metrics: dict, path: Path) -> None:
@@ -65,11 +70,8 @@ def final_layer_per_sample(metrics: dict, path: Path) -> None:
     width = 0.8 / len(series)
     for i, (label, values) in enumerate(series.items()):
         ax.bar(np.arange(len(values)) + i * width, values, width, label=label)
-    ax.set_xlabel("context")
-    ax.set_ylabel("L1 distance of the final layer output")
-    ax.set_title(f"Final-layer perturbation per context, budget {metrics['budget']}")
-    ax.legend()
-    save(fig, path)
+    labelled(fig, ax, path, "context", "L1 distance of the final layer output",
+             f"Final-layer perturbation per context, budget {metrics['budget']}")
 
 
 def final_layer_vs_budget(metrics: dict, path: Path) -> None:
@@ -78,11 +80,8 @@ def final_layer_vs_budget(metrics: dict, path: Path) -> None:
         budgets = sorted(by_budget, key=int)
         ax.plot([int(b) for b in budgets], [by_budget[b] for b in budgets], marker="o", label=label)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("budget (entries per KV head)")
-    ax.set_ylabel("mean L1 distance, final layer")
-    ax.set_title("Final-layer perturbation across budgets")
-    ax.legend()
-    save(fig, path)
+    labelled(fig, ax, path, "budget (entries per KV head)", "mean L1 distance, final layer",
+             "Final-layer perturbation across budgets")
 
 
 def assumption1(metrics: dict, path: Path) -> None:
