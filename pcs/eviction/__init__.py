@@ -4,16 +4,20 @@ run-level settings it takes: budget, selection, profile), so adding one touches 
 base.py for the interface and conventions.py for the profile's conventions."""
 from __future__ import annotations
 
+import inspect
+
 from ..config import ConfigError, knobs, load_class, uses
 from .conventions import Conventions
 
 
 def build(group: str, node, **extra):
     """The class a group option declares, built from the node's knobs and ``extra``."""
+    cls, arguments = load_class(group, node.name), {**knobs(node), **extra}
     try:
-        return load_class(group, node.name)(**knobs(node), **extra)
-    except TypeError as err:   # a knob the class does not take
+        inspect.signature(cls).bind(**arguments)
+    except TypeError as err:   # a knob the class does not take, or one it needs
         raise ConfigError(f"{group}={node.name}: {err}") from None
+    return cls(**arguments)
 
 
 def build_selection(selection_cfg):
