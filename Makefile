@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 KVPRESS_VENV ?= .venv-kvpress
 
-.PHONY: setup run test clean compare-kvpress conformance
+.PHONY: setup run test clean compare-kvpress conformance gpu-wheels
 
 setup: $(STAMP)
 
@@ -38,6 +38,13 @@ compare-kvpress: setup $(KVPRESS_VENV)/.installed
 # profile=kvpress against kvpress's presses, entry by entry: writes results/conformance/, fails below 100 %.
 conformance: setup $(KVPRESS_VENV)/.installed
 	$(PY) scripts/conformance.py --kvpress-python $(KVPRESS_VENV)/bin/python
+
+# What scripts/gpu_check.sh installs on a GPU machine without a registry (it brings torch and transformers):
+# pure-Python wheels, built here, into the git-ignored wheels/ that travels with the checkout.
+gpu-wheels: setup
+	rm -rf wheels && mkdir -p wheels
+	$(PIP) wheel -q --no-deps -w wheels hydra-core==1.3.8 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3
+	du -sh wheels
 
 clean:
 	rm -rf $(VENV) $(KVPRESS_VENV) .cache

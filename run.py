@@ -2,6 +2,7 @@
 import sys
 
 import hydra
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
 from pcs.config import ConfigError
@@ -17,14 +18,39 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
-def allow_showing_a_sweep(argv: list[str]) -> list[str]:
+def showing_a_sweep(argv: list[str]) -> bool:
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    return multirun and any(a in ("--cfg", "-c") or a.startswith("--cfg=") for a in argv)
+
+
+def config_of_a_sweep(argv: list[str]) -> list[str]:
     """Hydra refuses ``-m`` together with ``--cfg``; showing a sweep's config needs no launch, so
     ``python run.py -m experiment=table1 hydra/launcher=slurm --cfg hydra`` drops the ``-m``."""
-    if any(a in ("--cfg", "-c") or a.startswith("--cfg=") for a in argv):
-        return [a for a in argv if a not in ("-m", "--multirun")]
-    return argv
+    return [a for a in argv if a not in ("-m", "--multirun")]
+
+
+def jobs_of_a_sweep(argv: list[str]) -> list[str]:
+    """The same sweep as a dry run of its launcher: the jobs it would launch, each run in them."""
+    kept, skip = [], False
+    for a in argv:
+        if skip or a.startswith("--cfg=") or a.startswith("--package="):
+            skip = False
+            continue
+        if a in ("--cfg", "-c", "--package", "-p"):
+            skip = True
+            continue
+        kept.append(a)
+    return kept + ["++hydra.launcher.dry_run=true"]
 
 
 if __name__ == "__main__":
-    sys.argv = allow_showing_a_sweep(sys.argv)
-    main()
+    if showing_a_sweep(sys.argv):
+        argv = sys.argv
+        sys.argv = config_of_a_sweep(argv)
+        main()
+        if "hydra/launcher=basic" not in argv:     # Hydra's own launcher has no dry run
+            GlobalHydra.instance().clear()
+            sys.argv = jobs_of_a_sweep(argv)
+            main()
+    else:
+        main()

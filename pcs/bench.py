@@ -3,7 +3,9 @@ compressed cache against the memory-traffic bound, KV bytes and peak memory.
 
     python -m pcs.bench --model smollm2 --contexts 4096 8192 --methods snapkv adakv \\
         --selections attention perturbation --budgets 128 --repeats 3 [--decode-tokens 32] [--json]
-    python -m pcs.bench --model llama31-shape --layers 4 --contexts 8192 32768 ...   # random weights, GPU
+    python -m pcs.bench --model llama31-shape --layers 32 --contexts 8192 32768 131072 --device cuda  # random weights
+    python -m pcs.bench --perturbation-analysis --model llama31-shape --layers 32 --contexts 32768 --device cuda
+    python -m pcs.bench --report results/bench/gpu_NVIDIA_H100_80GB_HBM3.jsonl    # its table and the targets
 
 One process, random prompt tokens, a warm-up of every configuration, then ``--repeats`` rounds that
 each measure every configuration once (drift falls on all alike); medians. The full cache is always
@@ -88,6 +90,10 @@ class PeakMemory:
         self.extra = max(0, self.peak - self.base)
 
 
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+
+
 def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -113,19 +119,36 @@ def profile_prefill(model, method, ids, path: Path) -> float:
     return compress / total if total else 0.0
 
 
+ATTENTION_OP = "aten::scaled_dot_product_attention"
+
+
+def attention_calls_per_token(model, method, ids, steps: int = 4) -> float:
+    """Attention calls (all layers) per decoded token, counted by the profiler over ``steps`` decoding
+    steps: the prefill's one call per layer is subtracted."""
+    from torch.profiler import profile
+    with profile() as prof:
+        greedy_generate(model, ids, method, steps + 1, set())
+    calls = sum(e.count for e in prof.key_averages() if e.key == ATTENTION_OP)
+    return (calls - model.config.num_hidden_layers) / steps
+
+
 def measure_once(model, method, ids, decode_tokens: int) -> dict:
-    with PeakMemory(next(model.parameters()).device) as mem:
+    device = next(model.parameters()).device
+    with PeakMemory(device) as mem:
         gen = greedy_generate(model, ids, method, decode_tokens, set())
     return {"prefill_s": gen.prefill_s, "decode_ms_per_token": 1000 * gen.decode_s / max(1, len(gen.token_ids) - 1),
-            "kv_bytes": gen.kv_cache_bytes, "kv_bytes_full": gen.kv_cache_bytes_full, "peak_mem_bytes": mem.extra}
+            "kv_bytes": gen.kv_cache_bytes, "kv_bytes_full": gen.kv_cache_bytes_full, "peak_mem_bytes": mem.extra,
+            "peak_mem_total_bytes": mem.peak if device.type == "cuda" else None}
 
 
 def summarize(samples: list[dict]) -> dict:
     """Medians of the timings, the most extra memory, and the (deterministic) cache sizes."""
+    totals = [s["peak_mem_total_bytes"] for s in samples if s["peak_mem_total_bytes"] is not None]
     return {"prefill_s": statistics.median(s["prefill_s"] for s in samples),
             "decode_ms_per_token": statistics.median(s["decode_ms_per_token"] for s in samples),
             "kv_bytes": samples[-1]["kv_bytes"], "kv_bytes_full": samples[-1]["kv_bytes_full"],
-            "peak_mem_bytes": max(s["peak_mem_bytes"] for s in samples)}
+            "peak_mem_bytes": max(s["peak_mem_bytes"] for s in samples),
+            "peak_mem_total_bytes": max(totals) if totals else None}
 
 
 def configurations(args):
@@ -147,6 +170,39 @@ def build_configurations(args) -> list[tuple]:
     return built
 
 
+def analysis(args) -> list[dict]:
+    """The perturbation analysis's work for one context per ``--contexts`` (``--methods[0]`` with every
+    ``--selections`` at ``--budgets``): its full-cache prefill with every variant's choice, then the head-wise,
+    layer-wise and Assumption-1 measurements; its time and peak memory."""
+    from .output_perturbation import measure, run_prefill
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = build_model(args.model, args.layers, device, args.model_path)
+    method = args.methods[0]
+    variants = {(selection, budget): build_method(composed(method=method, selection=selection, budget=budget))
+                for selection in args.selections for budget in args.budgets}
+    two_stage = next((m for m in variants.values() if m.two_stage), None)
+    rows = []
+    for context in args.contexts:
+        ids = random_prompt(model, context).to(device)
+        with PeakMemory(torch.device(device)) as mem:
+            start = time.perf_counter()
+            prefill = run_prefill(model, ids, variants, two_stage)
+            prefill_s = time.perf_counter() - start
+            measure(model, prefill, list(variants), list(variants))
+            total_s = time.perf_counter() - start
+            del prefill
+        row = {"model": args.model, "device": device, "device_name": device_name(device),
+               "layers": model.config.num_hidden_layers, "analysis": "perturbation", "method": method, "selections": args.selections, "budgets": args.budgets,
+               "context": context, "prefill_s": prefill_s, "measure_s": total_s - prefill_s,
+               "peak_mem_bytes": mem.extra, "peak_mem_total_bytes": mem.peak if device == "cuda" else None}
+        rows.append(row)
+        print(json.dumps(row) if args.json else
+              f"{context:>7} perturbation analysis ({method}: {', '.join(args.selections)} x {args.budgets}): "
+              f"prefill {prefill_s:.2f} s, measurements {total_s - prefill_s:.2f} s, peak +{mem.extra / 2**30:.2f} GiB",
+              flush=True)
+    return rows
+
+
 def run(args) -> list[dict]:
     """Per context: a warm-up of every configuration, then ``repeats`` rounds that each measure every
     configuration once, so that slow drift of the machine falls on all configurations alike."""
@@ -166,11 +222,13 @@ def run(args) -> list[dict]:
         base = None
         for (method_name, selection, budget, method), runs in zip(built, samples):
             result = summarize(runs)
+            result["attention_calls_per_token"] = attention_calls_per_token(model, method, ids)
             if args.profile:
                 name = f"{context}_{method_name}_{selection}_{budget or 'all'}.txt"
                 result["compress_share"] = profile_prefill(model, method, ids, Path(args.profile) / name)
             base = base or result
-            row = {"model": args.model, "device": device, "method": method_name, "selection": selection,
+            row = {"model": args.model, "device": device, "device_name": device_name(device),
+                   "layers": model.config.num_hidden_layers, "method": method_name, "selection": selection,
                    "budget": budget, "context": context, "repeats": args.repeats, **result,
                    "decode_bound": (weights + result["kv_bytes_full"]) / (weights + result["kv_bytes"]),
                    "decode_speedup": base["decode_ms_per_token"] / result["decode_ms_per_token"]}
@@ -184,8 +242,52 @@ def format_row(row: dict) -> str:
             f"prefill {row['prefill_s']:8.3f} s  decode {row['decode_ms_per_token']:8.2f} ms/tok  "
             f"KV {row['kv_bytes'] / 2**20:8.1f}/{row['kv_bytes_full'] / 2**20:8.1f} MiB  "
             f"peak +{row['peak_mem_bytes'] / 2**20:7.1f} MiB  speed-up {row['decode_speedup']:5.2f} "
-            f"(bound {row['decode_bound']:5.2f})"
+            f"(bound {row['decode_bound']:5.2f})  {row['attention_calls_per_token']:g} attention calls/token"
             + (f"  compressing {100 * row['compress_share']:4.1f} %" if "compress_share" in row else ""))
+
+
+def markdown(rows: list[dict]) -> str:
+    """A results file as the table of results/bench/README.md."""
+    lines = ["| context | method | selection | budget | prefill+compress s | decode ms/token | KV MiB kept / full "
+             "| peak GiB | decode speed-up | bound | attention calls/token |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        peak = r.get("peak_mem_total_bytes") or r["peak_mem_bytes"]
+        lines.append(f"| {r['context']} | {r['method']} | {r['selection']} | {r['budget'] or '-'} | {r['prefill_s']:.3f} "
+                     f"| {r['decode_ms_per_token']:.2f} | {r['kv_bytes'] / 2**20:.1f} / {r['kv_bytes_full'] / 2**20:.1f} "
+                     f"| {peak / 2**30:.2f} | {r['decode_speedup']:.2f} | {r['decode_bound']:.2f} "
+                     f"| {r.get('attention_calls_per_token', float('nan')):g} |")
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """The engine's targets, read off a results file: perturbation selection adds at most 3 % to prefill +
+    compression at 32K; decoding on a budget-128 cache reaches 80 % of the memory-traffic bound at 32K and
+    128K; decoding on every compressed cache beats the full cache from 8K tokens up; at most 2 attention
+    calls per layer and decoded token."""
+    out = []
+    by_key = {(r["context"], r["method"], r["selection"], r["budget"]): r for r in rows}
+    overheads = [(r["prefill_s"] / by_key[(c, m, "attention", b)]["prefill_s"] - 1, c, m, b)
+                 for (c, m, sel, b), r in by_key.items() if sel == "perturbation" and (c, m, "attention", b) in by_key]
+    for context in sorted({c for _, c, _, _ in overheads}):
+        worst = max(o for o in overheads if o[1] == context)
+        out.append(f"perturbation selection overhead at {context}: at most {100 * worst[0]:+.1f} % "
+                   f"({worst[2]}, budget {worst[3]})" + (f" [target <= 3 %: {'met' if worst[0] <= 0.03 else 'missed'}]"
+                                                        if context == 32768 else ""))
+    for r in rows:
+        if r["budget"] == 128 and r["context"] in (32768, 131072):
+            share = r["decode_speedup"] / r["decode_bound"]
+            out.append(f"decode at {r['context']}, {r['method']}/{r['selection']} b128: {100 * share:.0f} % of the "
+                       f"bound {r['decode_bound']:.2f} [target >= 80 %: {'met' if share >= 0.8 else 'missed'}]")
+    slower = [r for r in rows if r["method"] != "full" and r["context"] >= 8192 and r["decode_speedup"] <= 1]
+    out.append(f"compressed caches decoding no faster than the full cache from 8K up: {len(slower)}"
+               + "".join(f"; {r['context']} {r['method']}/{r['selection']} b{r['budget']} {r['decode_speedup']:.2f}x"
+                         for r in slower) + f" [target 0: {'met' if not slower else 'missed'}]")
+    most = max((r.get("attention_calls_per_token", 0) / r["layers"] for r in rows if r.get("layers")), default=None)
+    if most is not None:
+        out.append(f"attention calls per layer and decoded token: at most {most:g} [target <= 2: "
+                   f"{'met' if most <= 2 else 'missed'}]")
+    return out
 
 
 def parse(argv=None):
@@ -201,13 +303,22 @@ def parse(argv=None):
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--device", choices=["cpu", "cuda"])
     parser.add_argument("--json", action="store_true", help="one JSON object per configuration")
+    parser.add_argument("--perturbation-analysis", action="store_true", help="time the perturbation analysis "
+                        "(benchmark=perturbation) instead: --methods[0] with --selections at --budgets")
+    parser.add_argument("--report", metavar="JSONL", help="print a results file's markdown table and the engine's "
+                        "targets read off it, and measure nothing")
     parser.add_argument("--profile", metavar="DIR", help="also profile one prefill per configuration "
                         "(torch.profiler op table into DIR; compress_share = time under pcs.compress)")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    run(parse(argv))
+    args = parse(argv)
+    if args.report:
+        rows = [json.loads(line) for line in Path(args.report).read_text().splitlines() if line.strip()]
+        print(markdown(rows) + "\n\n" + "\n".join(f"- {line}" for line in targets(rows)))
+        return 0
+    analysis(args) if args.perturbation_analysis else run(args)
     return 0
 
 

@@ -1,15 +1,22 @@
-"""A KV cache that really holds only the kept entries, with a per-head (ragged) layout.
+"""A KV cache that holds only the kept entries, with heads of different lengths decoded in one attention call.
 
-Before compression a layer is dense, (1, H_kv, n, d), like transformers' ``DynamicLayer``. After
-``compress`` each KV head owns its own (n_h, d) tensors, so heads may keep different numbers of
-entries (AdaKV, PyramidKV) and the evicted ones are freed, not masked. Decoding then appends one
-entry per head and attends head by head (``ragged_attention``, registered as the ``pcs`` attention
-implementation). Batch size is 1, as in the evaluation protocols this harness follows.
+During the prefill a layer is dense, (1, H_kv, n, d), like transformers' ``DynamicLayer``. Once compressed
+(or at its first decoding step, for a layer kept whole) it moves into a *buffer*: (H_kv, capacity, d) keys
+and values where head h's entries fill ``[:lengths[h]]`` and the rest is room reserved for the tokens to
+come. Heads may hold different numbers of entries (AdaKV, PyramidKV); a decoding step writes each head's
+new entry at its own length (no copy of any history) and attends with one ``scaled_dot_product_attention``
+call per layer, the query heads of a KV head stacked as rows and a mask hiding each head's unused slots.
+Batch size is 1, as in the evaluation protocols this harness follows.
 
 A method may also choose per query head (official AdaKV's default GQA mode): a KV head then stores the
-union of its query heads' entries once, with a (group, n_h) mask of the entries each query head sees.
+union of its query heads' entries once, and ``seen`` masks, per query head, the entries it did not choose.
+
+``nbytes`` counts the entries a layer holds (what the method kept); ``buffer_bytes`` counts what is
+allocated, room and the padding of shorter heads included.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -19,26 +26,28 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 ATTN_IMPLEMENTATION = "pcs"
+ROOM = 256   # entries reserved ahead per head when a layer moves into its buffer (it grows by half when full)
 
 
-class HeadKeys(list):
-    """A compressed layer's per-KV-head (n_h, d) keys, and for each head None (its query heads see every
-    entry) or the (group, n_h) boolean mask of the entries each of its query heads sees."""
-
-    def __init__(self, keys, masks):
-        super().__init__(keys)
-        self.masks = masks
+class HeldKeys(NamedTuple):
+    """What attention reads from a buffered layer: the (1, H_kv, L, d) keys and the (H_kv, 1 or group,
+    q_len, L) mask of the slots each query row sees (None: all L)."""
+    keys: torch.Tensor
+    mask: torch.Tensor | None
 
 
 class CompressibleLayer(CacheLayerMixin):
-    """One layer's cache: dense until ``compress``, then a list of per-KV-head tensors."""
+    """One layer's cache: dense during the prefill, then a buffer of per-head entries with room ahead."""
     is_sliding = False
 
-    def __init__(self):
+    def __init__(self, room: int = ROOM):
         super().__init__()
-        self.head_keys: list[torch.Tensor] | None = None    # ragged storage, once compressed
-        self.head_values: list[torch.Tensor] | None = None
-        self.head_masks: list[torch.Tensor | None] | None = None   # per KV head, when query heads choose apart
+        self.room = room
+        self.key_buffer: torch.Tensor | None = None     # (H_kv, capacity, d)
+        self.value_buffer: torch.Tensor | None = None
+        self.lengths: list[int] = []                     # entries held per KV head
+        self.device_lengths: torch.Tensor | None = None  # the same, on the buffer's device
+        self.seen: torch.Tensor | None = None            # (H_kv, group, capacity), when query heads chose apart
         self.n_positions = 0   # tokens seen, i.e. the next position id (not the number held)
         self.recent_queries: torch.Tensor | None = None   # (H_q, <=w, d), kept for recompression
 
@@ -47,8 +56,13 @@ class CompressibleLayer(CacheLayerMixin):
         self.is_initialized = True
 
     @property
-    def is_ragged(self) -> bool:
-        return self.head_keys is not None
+    def is_buffered(self) -> bool:
+        return self.key_buffer is not None
+
+    @property
+    def chose_apart(self) -> bool:
+        """Whether the query heads of a KV head see different entries (per-query-head choices)."""
+        return self.seen is not None
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -56,79 +70,148 @@ class CompressibleLayer(CacheLayerMixin):
         if key_states.shape[0] != 1:
             raise ValueError("the compressed cache supports batch size 1")
         self.n_positions += key_states.shape[-2]
-        if self.is_ragged:
-            new, masks = key_states.shape[-2], self.query_head_masks()
-            for h in range(len(self.head_keys)):
-                self.head_keys[h] = torch.cat([self.head_keys[h], key_states[0, h]])
-                self.head_values[h] = torch.cat([self.head_values[h], value_states[0, h]])
-                if masks[h] is not None:   # new tokens are seen by every query head
-                    masks[h] = torch.cat([masks[h], masks[h].new_ones(masks[h].shape[0], new)], dim=1)
-            return HeadKeys(self.head_keys, masks), self.head_values
-        if self.keys is None:
-            self.keys, self.values = key_states, value_states
-        else:
-            self.keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = torch.cat([self.values, value_states], dim=-2)
-        return self.keys, self.values
+        if not self.is_buffered:
+            if self.keys is None:          # the prefill: attention runs on the dense tensors as they are
+                self.keys, self.values = key_states, value_states
+                return self.keys, self.values
+            self.fill(self.keys[0], self.values[0], [self.keys.shape[-2]] * self.keys.shape[1])
+        return self.append(key_states[0], value_states[0])
+
+    def take(self, other: CompressibleLayer) -> None:
+        """Hold ``other``'s dense prefill entries, shared rather than copied: no layer writes into dense
+        tensors (an append or a compression moves the entries into a buffer of its own)."""
+        self.lazy_initialization(other.keys, other.values)
+        self.keys, self.values, self.n_positions = other.keys, other.values, other.n_positions
+
+    def fill(self, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
+             seen: list[torch.Tensor | None] | None = None) -> None:
+        """Move (H_kv, L, d) entries into a fresh buffer with room ahead; head h holds its first ``lengths[h]``.
+        ``seen``: per KV head None or the (group, lengths[h]) mask of the entries each of its query heads sees."""
+        n_heads, n, d = keys.shape
+        capacity = n + self.room
+        self.key_buffer = keys.new_zeros(n_heads, capacity, d)   # zeros, not garbage: masked slots stay finite
+        self.value_buffer = values.new_zeros(n_heads, capacity, d)
+        self.key_buffer[:, :n] = keys
+        self.value_buffer[:, :n] = values
+        self.lengths = list(lengths)
+        self.device_lengths = torch.tensor(lengths, dtype=torch.long, device=keys.device)
+        self.seen = None
+        if seen is not None and any(m is not None for m in seen):
+            group = next(m for m in seen if m is not None).shape[0]
+            self.seen = torch.ones(n_heads, group, capacity, dtype=torch.bool, device=keys.device)
+            for h, mask in enumerate(seen):
+                if mask is not None:
+                    self.seen[h, :, :mask.shape[1]] = mask
+        self.keys = self.values = None
+
+    def grow(self, needed: int) -> None:
+        """Enlarge the buffer to hold ``needed`` entries per head (copies once; amortised over the steps)."""
+        old = self.key_buffer.shape[1]
+        capacity = max(needed + self.room, old + old // 2)
+        pad = (0, 0, 0, capacity - old)
+        self.key_buffer = F.pad(self.key_buffer, pad)
+        self.value_buffer = F.pad(self.value_buffer, pad)
+        if self.seen is not None:
+            self.seen = F.pad(self.seen, (0, capacity - old), value=True)
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[HeldKeys, torch.Tensor]:
+        """Write (H_kv, q, d) new entries after each head's own; return what attention reads."""
+        q, old = keys.shape[1], self.lengths
+        longest = max(old) + q
+        if longest > self.key_buffer.shape[1]:
+            self.grow(longest)
+        if len(set(old)) == 1:             # heads of one length: a slice
+            self.key_buffer[:, old[0]:old[0] + q] = keys
+            self.value_buffer[:, old[0]:old[0] + q] = values
+        else:                              # each head at its own length: one scatter
+            rows = torch.arange(len(old), device=keys.device)[:, None]
+            slots = self.device_lengths[:, None] + torch.arange(q, device=keys.device)
+            self.key_buffer[rows, slots] = keys
+            self.value_buffer[rows, slots] = values
+        mask = self.visible(old, q, longest)
+        self.lengths = [n + q for n in old]
+        self.device_lengths += q
+        return HeldKeys(self.key_buffer[None, :, :longest], mask), self.value_buffer[None, :, :longest]
+
+    def visible(self, old: list[int], q: int, longest: int) -> torch.Tensor | None:
+        """(H_kv, 1 or group, q, longest): new token t of head h sees its head's ``old[h]`` entries, the new
+        ones up to itself and, where query heads chose apart, only its own. None when that is every slot."""
+        if self.seen is None and q == 1 and len(set(old)) == 1:
+            return None
+        device = self.key_buffer.device
+        limit = self.device_lengths[:, None] + torch.arange(1, q + 1, device=device)        # (H_kv, q)
+        mask = (torch.arange(longest, device=device) < limit[..., None])[:, None]           # (H_kv, 1, q, L)
+        if self.seen is not None:
+            mask = mask & self.seen[:, :, None, :longest]
+        return mask
 
     def compress(self, kept: list[torch.Tensor]) -> None:
         """Keep, for KV head h, the entries at ``kept[h]`` (indices into what the head holds now);
-        everything else is released. Works on a dense layer and again on a compressed one. With one
+        everything else is released. Works on a dense layer and again on a buffered one. With one
         list per query head (more lists than KV heads), each KV head keeps the union of its query heads'
         entries and masks, per query head, the ones that head did not choose."""
-        if self.is_ragged:
-            if any(m is not None for m in self.query_head_masks()):
-                raise RuntimeError("a layer whose query heads chose apart cannot be compressed again")
-            keys, values = self.head_keys, self.head_values
-        else:
-            keys, values = self.dense()
-        n_kv_heads = len(keys)
-        masks = [None] * n_kv_heads
+        if self.chose_apart:
+            raise RuntimeError("a layer whose query heads chose apart cannot be compressed again")
+        keys, values = (self.key_buffer, self.value_buffer) if self.is_buffered else self.dense()
+        n_kv_heads, seen = keys.shape[0], None
         if len(kept) > n_kv_heads:
             group = len(kept) // n_kv_heads
-            per_query_head, kept = kept, []
+            per_query_head, kept, seen = kept, [], []
             for g in range(n_kv_heads):
                 mine = per_query_head[g * group:(g + 1) * group]
                 union = torch.unique(torch.cat(mine))                    # sorted
-                masks[g] = torch.stack([torch.isin(union, idx) for idx in mine])
+                seen.append(torch.stack([torch.isin(union, idx) for idx in mine]))
                 kept.append(union)
-        self.head_keys = [keys[h].index_select(0, idx).contiguous() for h, idx in enumerate(kept)]
-        self.head_values = [values[h].index_select(0, idx).contiguous() for h, idx in enumerate(kept)]
-        self.head_masks = masks
-        self.keys = self.values = None
-
-    def query_head_masks(self) -> list[torch.Tensor | None]:
-        """Per KV head of a compressed layer: None, or the (group, n_h) mask of the entries each query head sees."""
-        if self.head_masks is None:
-            self.head_masks = [None] * len(self.head_keys)
-        return self.head_masks
+        index = torch.nn.utils.rnn.pad_sequence(list(kept), batch_first=True)   # (H_kv, L), padded with 0
+        index = index[..., None].expand(-1, -1, keys.shape[-1])
+        self.fill(keys.gather(1, index), values.gather(1, index), [len(idx) for idx in kept], seen)
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(H_kv, n, d) keys and values of a layer that has not been compressed."""
-        if self.is_ragged:
-            raise RuntimeError("layer is already compressed")
-        return self.keys[0], self.values[0]
+        """(H_kv, n, d) keys and values of a layer whose heads all hold the same entries: in its prefill
+        form, or buffered but never compressed (a full cache that has decoded)."""
+        if not self.is_buffered:
+            return self.keys[0], self.values[0]
+        if len(set(self.lengths)) > 1 or self.chose_apart:
+            raise RuntimeError("the layer's heads hold different entries")
+        return self.key_buffer[:, :self.lengths[0]], self.value_buffer[:, :self.lengths[0]]
+
+    def heads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per KV head, views of the (n_h, d) keys and values it holds."""
+        if not self.is_buffered:
+            keys, values = self.dense()
+            return list(zip(keys, values))
+        return [(self.key_buffer[h, :n], self.value_buffer[h, :n]) for h, n in enumerate(self.lengths)]
 
     def left_padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(H_kv, n_max, d) keys and values with shorter heads padded with zeros at the front, and
         each head's padding length. Every head's most recent entries line up at the end."""
-        if not self.is_ragged:
+        if not self.is_buffered:
             keys, values = self.dense()
             return keys, values, torch.zeros(keys.shape[0], dtype=torch.long, device=keys.device)
-        n_max = max(k.shape[0] for k in self.head_keys)
-        pad = torch.tensor([n_max - k.shape[0] for k in self.head_keys], device=self.head_keys[0].device)
+        n_max = max(self.lengths)
+        pad = torch.tensor([n_max - n for n in self.lengths], device=self.key_buffer.device)
         stack = lambda ts: torch.stack([F.pad(t, (0, 0, n_max - t.shape[0], 0)) for t in ts])
-        return stack(self.head_keys), stack(self.head_values), pad
+        heads = self.heads()
+        return stack([k for k, _ in heads]), stack([v for _, v in heads]), pad
 
     def entries_per_head(self) -> list[int]:
-        if self.is_ragged:
-            return [k.shape[0] for k in self.head_keys]
+        if self.is_buffered:
+            return list(self.lengths)
         return [self.keys.shape[-2]] * self.keys.shape[1] if self.keys is not None else []
 
     def nbytes(self) -> int:
-        """Bytes of key and value tensors this layer holds right now."""
-        tensors = (self.head_keys + self.head_values) if self.is_ragged else [self.keys, self.values]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        """Bytes of the key and value entries this layer holds right now."""
+        if self.is_buffered:
+            row = self.key_buffer.shape[-1] * self.key_buffer.element_size()
+            return 2 * row * sum(self.lengths)
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
+
+    def buffer_bytes(self) -> int:
+        """Bytes allocated for the layer: ``nbytes`` plus reserved room and the padding of shorter heads."""
+        if not self.is_buffered:
+            return self.nbytes()
+        tensors = [self.key_buffer, self.value_buffer] + ([self.seen] if self.seen is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def get_seq_length(self) -> int:
         return self.n_positions
@@ -141,47 +224,46 @@ class CompressibleLayer(CacheLayerMixin):
 
 
 class CompressedCache(Cache):
-    """A cache of ``CompressibleLayer``s, one per decoder layer."""
+    """A cache of ``CompressibleLayer``s, one per decoder layer; ``room``: entries reserved ahead per head
+    (e.g. the tokens a generation may still add), so decoding appends without reallocating."""
 
-    def __init__(self, n_layers: int):
-        super().__init__(layers=[CompressibleLayer() for _ in range(n_layers)])
+    def __init__(self, n_layers: int, room: int = ROOM):
+        super().__init__(layers=[CompressibleLayer(room) for _ in range(n_layers)])
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
+
+    def buffer_bytes(self) -> int:
+        return sum(layer.buffer_bytes() for layer in self.layers)
 
     def entries_per_head(self) -> list[list[int]]:
         return [layer.entries_per_head() for layer in self.layers]
 
 
-def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention for the ``pcs`` implementation: dense layers go to SDPA; ragged ones head by head.
-
-    For a ragged layer ``key``/``value`` are lists of (n_h, d) tensors whose last ``q_len`` rows are
-    the new tokens; each new query sees every held entry of its KV head (or, where the layer's query heads
-    chose apart, the entries its own mask shows) and the new tokens up to itself.
+def held_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention for the ``pcs`` implementation: dense layers (the prefill) go to transformers' SDPA; a
+    buffered layer is one SDPA call whatever its heads' lengths: the ``group`` query heads of each KV head
+    become ``group x q_len`` rows against that head's keys, and the layer's mask hides the slots a row
+    must not see (other heads' padding, room ahead, later new tokens, entries its query head did not choose).
     """
-    if not isinstance(key, list):
+    if not isinstance(key, HeldKeys):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
+    keys, mask = key
     _, n_q_heads, q_len, d = query.shape
-    group = n_q_heads // len(key)
-    out = torch.empty_like(query)
-    for h, (k, v) in enumerate(zip(key, value)):
-        mask = None
-        if q_len > 1:
-            n_h = k.shape[0]
-            mask = torch.ones(q_len, n_h, dtype=torch.bool, device=k.device)
-            mask[:, n_h - q_len:] = torch.ones(q_len, q_len, dtype=torch.bool, device=k.device).tril()
-        if key.masks[h] is not None:   # (group, n_h): each query head sees its own entries
-            seen = key.masks[h][:, None, :]
-            mask = seen if mask is None else seen & mask[None]
-        q = query[:, h * group:(h + 1) * group]                      # (1, group, q_len, d)
-        out[:, h * group:(h + 1) * group] = F.scaled_dot_product_attention(
-            q, k[None, None], v[None, None], attn_mask=mask, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
+    n_kv_heads = keys.shape[1]
+    group = n_q_heads // n_kv_heads
+    rows = query.reshape(1, n_kv_heads, group * q_len, d)
+    if mask is not None:
+        if q_len == 1 and mask.shape[1] == 1:     # one row pattern per KV head: broadcast over its query heads
+            mask = mask.view(1, n_kv_heads, 1, -1)
+        else:
+            mask = mask.expand(n_kv_heads, group, q_len, -1).reshape(1, n_kv_heads, group * q_len, -1)
+    out = F.scaled_dot_product_attention(rows, keys, value, attn_mask=mask, scale=scaling)
+    return out.view(1, n_q_heads, q_len, d).transpose(1, 2).contiguous(), None
 
 
 def register_attention() -> None:
     """Make ``attn_implementation='pcs'`` available to transformers (idempotent)."""
-    AttentionInterface.register(ATTN_IMPLEMENTATION, ragged_attention)
+    AttentionInterface.register(ATTN_IMPLEMENTATION, held_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)

@@ -3,7 +3,9 @@
 The hook runs right after a layer's prefill forward, so the full cache of a layer lives only while
 that layer is being computed (peak memory of one layer's full KV, as in SnapKV's and kvpress's
 pipelines). It rebuilds the last ``w`` queries from the layer input, because the attention module
-does not expose them, and asks the method which entries each KV head keeps.
+does not expose them, and asks the method which entries each KV head keeps. The prefill runs with full
+attention whatever is evicted, so several methods can share it: each takes its own compressed copy of
+every layer (``compress_each_after_prefill``).
 """
 from __future__ import annotations
 
@@ -48,9 +50,11 @@ def hooked(modules, hook, with_kwargs: bool = True):
 
 
 @contextmanager
-def after_prefill(model, cache: CompressedCache, window: int, on_layer):
-    """While active, ``on_layer(state, cache_layer)`` runs right after each attention module's
-    multi-token forward, with the layer's full keys and values and its last ``window`` queries."""
+def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer):
+    """While active, ``on_layer(queries, state, cache_layer)`` runs right after each attention module's
+    multi-token forward, with the layer's full keys and values (``state``, whose ``window_queries`` are the
+    longest window's) and ``queries[w]``, its last ``w`` queries for each ``w`` of ``windows``. Each window's
+    queries are computed on their own, as a lone prefill with that window would."""
     modules = attention_modules(model)
 
     def hook(module, args, kwargs, output):
@@ -59,9 +63,11 @@ def after_prefill(model, cache: CompressedCache, window: int, on_layer):
             return
         layer = cache.layers[module.layer_idx]
         keys, values = layer.dense()
-        queries = (window_queries(module, hidden, kwargs["position_embeddings"], window)
-                   if window else keys.new_empty(0))
-        on_layer(LayerState(module.layer_idx, len(modules), keys, values, queries, module.o_proj.weight), layer)
+        queries = {w: window_queries(module, hidden, kwargs["position_embeddings"], w) if w else keys.new_empty(0)
+                   for w in windows}
+        state = LayerState(module.layer_idx, len(modules), keys, values, queries[max(windows, default=0)],
+                           module.o_proj.weight)
+        on_layer(queries, state, layer)
 
     with hooked(modules, hook):
         yield cache
@@ -98,29 +104,61 @@ class PrefillStats:
     peak_kv_bytes: int = 0      # most bytes the cache held at once during the prefill
 
 
+@dataclass
+class CellCache:
+    """One method's share of a prefill: its own cache, filled layer by layer with what it keeps."""
+    method: Method
+    cache: CompressedCache
+    stats: PrefillStats = field(default_factory=PrefillStats)
+
+
+@contextmanager
+def compress_each_after_prefill(model, methods: list[Method], caches: list[CompressedCache]):
+    """One prefill for several methods. The forward writes to ``caches[0]``; right after each attention
+    module's forward, every method chooses from that layer's full keys and values and its cache takes
+    its kept entries (copied out), then the full layer is released unless a method keeps it whole. So
+    the peak is one full layer plus every method's compressed layers, and each method ends with the
+    cache a prefill of its own would give. A model-wide method keeps its full layers until the context
+    closes, then compresses every layer at once (``PrefillStats.peak_kv_bytes`` records it)."""
+    n_layers = model.config.num_hidden_layers
+    cells = [CellCache(method, cache) for method, cache in zip(methods, caches)]
+    choices = [LayerChoices(method, n_layers) for method in methods]
+    prefill = caches[0]
+
+    def compress(queries: dict[int, torch.Tensor], state: LayerState, layer) -> None:
+        full_bytes = layer.nbytes()
+        # The others first, while the layer is still whole; the cache the forward writes to last.
+        for cell, choice in reversed(list(zip(cells, choices))):
+            own = cell.cache.layers[state.layer_idx]
+            earlier = sum(done.nbytes() for done in cell.cache.layers[:state.layer_idx])
+            cell.stats.peak_kv_bytes = max(cell.stats.peak_kv_bytes, earlier + full_bytes)
+            mine = LayerState(state.layer_idx, n_layers, state.keys, state.values, queries[cell.method.window],
+                              state.o_proj_weight)
+            if own is not layer:
+                own.take(layer)
+            own.recent_queries = mine.window_queries    # the window, should decoding recompress later
+            with torch.profiler.record_function("pcs.compress"):   # a label in profiles (python -m pcs.bench --profile)
+                kept = choice.add(mine)
+                if kept is not None:
+                    own.compress(kept)
+
+    with after_prefill(model, prefill, sorted({m.window for m in methods}), compress):
+        yield cells
+    for cell, choice in zip(cells, choices):
+        if cell.method.model_wide:
+            cell.stats.peak_kv_bytes = max(cell.stats.peak_kv_bytes, cell.cache.nbytes())
+            with torch.profiler.record_function("pcs.compress"):
+                for layer, kept in zip(cell.cache.layers, choice.finish()):
+                    if kept is not None:
+                        layer.compress(kept)
+
+
 @contextmanager
 def compress_after_prefill(model, method: Method, cache: CompressedCache):
     """While active, each attention module compresses its layer of ``cache`` after a multi-token
-    forward; a model-wide method compresses every layer when the context closes, after the whole
-    prefill, so the full cache lives until then (``PrefillStats.peak_kv_bytes`` records it)."""
-    choices, stats = LayerChoices(method, model.config.num_hidden_layers), PrefillStats()
-
-    def compress(state: LayerState, layer) -> None:
-        layer.recent_queries = state.window_queries    # the window, should decoding recompress later
-        stats.peak_kv_bytes = max(stats.peak_kv_bytes, cache.nbytes())
-        with torch.profiler.record_function("pcs.compress"):   # a label in profiles (python -m pcs.bench --profile)
-            kept = choices.add(state)
-            if kept is not None:
-                layer.compress(kept)
-
-    with after_prefill(model, cache, method.window, compress):
-        yield stats
-    if method.model_wide:
-        stats.peak_kv_bytes = max(stats.peak_kv_bytes, cache.nbytes())
-        with torch.profiler.record_function("pcs.compress"):
-            for layer, kept in zip(cache.layers, choices.finish()):
-                if kept is not None:
-                    layer.compress(kept)
+    forward (see ``compress_each_after_prefill``, of which this is the one-method case)."""
+    with compress_each_after_prefill(model, [method], [cache]) as (cell,):
+        yield cell.stats
 
 
 @dataclass

@@ -22,6 +22,9 @@ from .config import declared, default_option, group_file, is_declaration, uses
 NOT_IN_NAME = {"name", "path", "cache_dir", "device", "device_map", "data_dir", "data_file", "haystack_dir"}
 # Where results go and who watches: not saved with the run.
 NOT_SAVED = ("results_dir", "progress", "logger")
+# What is chosen from a prefill and how the answer decodes: runs that differ only in these see the same
+# samples and the same prefill of each (the model and benchmark settings are equal).
+PER_CELL = ("method", "selection", "profile", "budget", "compress")
 
 
 def knob_text(value) -> str:
@@ -177,4 +180,13 @@ class RunIdentity:
         cache size, and are compared sample by sample."""
         data = self.saved_data()
         data.pop("selection", None)
+        return json.dumps(data, sort_keys=True)
+
+    @cached_property
+    def prefill_key(self) -> str:
+        """Equal for runs that differ only in ``PER_CELL`` settings: a sweep runs such cells as one group,
+        which loads the model once and prefills each sample once for all of them (``pcs.runner.run_cells``)."""
+        data = self.saved_data()
+        for key in PER_CELL:
+            data.pop(key, None)
         return json.dumps(data, sort_keys=True)

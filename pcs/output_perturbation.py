@@ -50,7 +50,7 @@ def run_prefill(model, input_ids: torch.Tensor, methods: dict, two_stage: Method
     stage1, stage1_prefix = [None] * n_layers, [None] * n_layers
     window = max(m.window for m in methods.values())
 
-    def on_layer(state: LayerState, layer) -> None:
+    def on_layer(queries, state: LayerState, layer) -> None:
         for choice in choices.values():
             choice.add(state)
         first = two_stage.stage1(state) if two_stage is not None else None
@@ -61,7 +61,7 @@ def run_prefill(model, input_ids: torch.Tensor, methods: dict, two_stage: Method
 
     cache = CompressedCache(n_layers)
     device = next(model.parameters()).device
-    with after_prefill(model, cache, window, on_layer):
+    with after_prefill(model, cache, [window], on_layer):
         logits = model(input_ids=input_ids.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     dense = [layer.dense() for layer in cache.layers]
     kept = {key: choice.finish() for key, choice in choices.items()}

@@ -1,10 +1,12 @@
-"""One run: validate, resume or start the run folder, run every sample through the benchmark's step,
-score, summarise. The only module that joins the stages: config -> model + method -> samples ->
-step (generate or measure) -> predictions -> metrics."""
+"""Runs: validate, resume or start each run folder, run every sample through the benchmark's step (once for
+a group of runs that share their prefills), score, summarise. The only module that joins the stages:
+config -> model + method -> samples -> step (generate or measure) -> predictions -> metrics."""
 from __future__ import annotations
 
 import json
 import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -13,20 +15,45 @@ from tqdm import tqdm
 from .benchmarks.base import build_benchmark
 from .config import ConfigError, validate
 from .eviction import build_method
-from .generate import RunContext, generate_row
-from .identity import RunIdentity
+from .generate import RunContext, generate_rows
+from .identity import PER_CELL, RunIdentity
 from .models import load_model, stop_token_ids
 from .output_perturbation import perturbation_row
 from .provenance import now, provenance
 from .run_folder import exclusive, is_finished, prepare, read_rows, write_json_atomic
 from .tracking import log_run
 
-# A benchmark's ``step`` -> what answers one of its samples (an encoded prompt) on the model.
-STEPS = {"generate": generate_row, "output_perturbation": perturbation_row}
+
+def each_cell(step):
+    """A one-run step applied to every cell in turn (the perturbation analysis has its own prefill)."""
+    return lambda sample, prompt, cells: [step(sample, prompt, cell) for cell in cells]
+
+
+# A benchmark's ``step`` -> what answers one of its samples (an encoded prompt) for every cell of a group.
+STEPS = {"generate": generate_rows, "output_perturbation": each_cell(perturbation_row)}
+
+
+@dataclass
+class Cell:
+    """One run of a group: its config, identity, benchmark, methods and, once started, its folder's rows."""
+    cfg: DictConfig
+    identity: RunIdentity
+    benchmark: object
+    methods: dict
+    run_dir: Path
+    rows: list = field(default_factory=list)
+    done: set = field(default_factory=set)
+    out: object = None
+    context: RunContext | None = None
 
 
 def run(cfg: DictConfig) -> dict | None:
     """Run (or resume, or skip) the configured cell; returns its metrics."""
+    return run_cells([cfg])[0]
+
+
+def checked(cfg: DictConfig) -> Cell:
+    """A cell whose config, benchmark data and method knobs are valid (ConfigError otherwise): before any model loads."""
     validate(cfg)
     benchmark = build_benchmark(cfg)
     try:
@@ -36,17 +63,38 @@ def run(cfg: DictConfig) -> dict | None:
         raise ConfigError(str(err)) from err
     methods = {key: build_method(variant) for key, variant in variants.items()}   # checks their knobs
     identity = RunIdentity(cfg)
-    run_dir = Path(cfg.results_dir) / identity.folder
-    if is_finished(run_dir):
-        return finished(run_dir)
-    prepare(run_dir, identity.saved_config)
-    with exclusive(run_dir) as mine:
-        if not mine:   # e.g. a sweep whose cells differ only in knobs this method ignores
-            print(f"[pcs] another job is running {run_dir}; leaving it to that job")
-            return None
-        if is_finished(run_dir):
-            return finished(run_dir)
-        return execute(cfg, identity, benchmark, methods, run_dir)
+    return Cell(cfg, identity, benchmark, methods, Path(cfg.results_dir) / identity.folder)
+
+
+def run_cells(cfgs: list[DictConfig]) -> list[dict | None]:
+    """Run (or resume, or skip) cells that differ only in what is chosen from a prefill (one
+    ``RunIdentity.prefill_key``): the model loads once and each sample is prefilled once for every cell
+    that still needs it. Each cell writes its own folder, as a run of its own would. Returns each
+    cell's metrics (None: another job holds its folder)."""
+    cells = [checked(cfg) for cfg in cfgs]
+    if len({cell.identity.prefill_key for cell in cells}) > 1:
+        raise ValueError("cells of one group must differ only in " + ", ".join(PER_CELL))
+    results: dict[int, dict | None] = {}
+    with ExitStack() as held:
+        todo: list[tuple[int, Cell]] = []
+        for i, cell in enumerate(cells):
+            if cell.run_dir in {c.run_dir for _, c in todo}:   # the same run twice (knobs it does not read)
+                results[i] = None
+                continue
+            if is_finished(cell.run_dir):
+                results[i] = finished(cell.run_dir)
+                continue
+            prepare(cell.run_dir, cell.identity.saved_config)
+            if not held.enter_context(exclusive(cell.run_dir)):
+                print(f"[pcs] another job is running {cell.run_dir}; leaving it to that job")
+                results[i] = None
+            elif is_finished(cell.run_dir):
+                results[i] = finished(cell.run_dir)
+            else:
+                todo.append((i, cell))
+        if todo:
+            results.update(zip([i for i, _ in todo], execute([cell for _, cell in todo])))
+    return [results[i] for i in range(len(cells))]
 
 
 def finished(run_dir: Path) -> dict:
@@ -55,36 +103,60 @@ def finished(run_dir: Path) -> dict:
     return metrics
 
 
-def execute(cfg: DictConfig, identity: RunIdentity, benchmark, methods: dict, run_dir: Path) -> dict:
-    """Answer the missing samples of a locked run folder, then its metrics."""
-    if not identity.reads_selection and identity.declares("benchmark", "selection"):
-        print(f"[pcs] method={cfg.method.name} has its own rule: selection={cfg.selection.name} is not used")
-    step = STEPS[benchmark.step]
+def execute(cells: list[Cell]) -> list[dict]:
+    """Answer the missing samples of locked run folders that share their samples, then each one's metrics."""
+    for cell in cells:
+        if not cell.identity.reads_selection and cell.identity.declares("benchmark", "selection"):
+            print(f"[pcs] method={cell.cfg.method.name} has its own rule: selection={cell.cfg.selection.name} "
+                  f"is not used")
+    first = cells[0]
+    step = STEPS[first.benchmark.step]
     started, started_at = time.time(), now()
-    model, tokenizer = load_model(cfg.model)
-    ctx = RunContext(model, tokenizer, methods, stop_token_ids(model, tokenizer, cfg.model.stop_tokens), cfg)
-    samples = benchmark.samples(tokenizer)
-    predictions_file = run_dir / "predictions.jsonl"
-    rows = read_rows(predictions_file)
-    done = {row["id"] for row in rows}
-    todo = [s for s in samples if s.id not in done]
-    if done:
-        print(f"[pcs] resuming {run_dir}: {len(done)} of {len(samples)} samples already done")
+    model, tokenizer = load_model(first.cfg.model)
+    stops = stop_token_ids(model, tokenizer, first.cfg.model.stop_tokens)
+    samples = first.benchmark.samples(tokenizer)
+    with ExitStack() as files:
+        for cell in cells:
+            cell.context = RunContext(model, tokenizer, cell.methods, stops, cell.cfg)
+            cell.out = files.enter_context(resumed(cell, len(samples)))
+        speed = Throughput()
+        name = first.identity.folder if len(cells) == 1 else f"{len(cells)} runs sharing each prefill"
+        bar = tqdm(samples, desc=name, disable=not first.cfg.progress, unit="sample", dynamic_ncols=True)
+        for sample in bar:
+            waiting = [cell for cell in cells if sample.id not in cell.done]
+            if not waiting:
+                continue
+            prompt = first.benchmark.encode(sample, tokenizer, first.cfg.model)
+            for cell, output in zip(waiting, step(sample, prompt, [cell.context for cell in waiting])):
+                score = cell.benchmark.score({**output, **sample.meta})
+                row = {"id": sample.id, "prediction": output.pop("prediction"), "score": score, **output,
+                       **sample.meta}
+                cell.out.write(json.dumps(row, ensure_ascii=False) + "\n")
+                cell.out.flush()
+                cell.rows.append(row)
+                bar.set_postfix_str(speed.add(row), refresh=False)
+    wall_time_s = round(time.time() - started, 2)
+    return [summarize(cell, model, started_at, wall_time_s, len(cells)) for cell in cells]
+
+
+@contextmanager
+def resumed(cell: Cell, n_samples: int):
+    """The cell's predictions file, open for appending, with the rows it already holds read into the cell."""
+    predictions_file = cell.run_dir / "predictions.jsonl"
+    cell.rows = read_rows(predictions_file)
+    cell.done = {row["id"] for row in cell.rows}
+    if cell.done:
+        print(f"[pcs] resuming {cell.run_dir}: {len(cell.done)} of {n_samples} samples already done")
     # Rewrite what was read so that a torn last line does not stay in the file.
     with predictions_file.open("w", encoding="utf-8") as out:
-        out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-        speed = Throughput()
-        bar = tqdm(todo, desc=identity.folder, disable=not cfg.progress, unit="sample", dynamic_ncols=True)
-        for sample in bar:
-            output = step(sample, benchmark.encode(sample, tokenizer, cfg.model), ctx)
-            score = benchmark.score({**output, **sample.meta})
-            row = {"id": sample.id, "prediction": output.pop("prediction"), "score": score, **output, **sample.meta}
-            out.write(json.dumps(row, ensure_ascii=False) + "\n")
-            out.flush()
-            rows.append(row)
-            bar.set_postfix_str(speed.add(row), refresh=False)
+        out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in cell.rows)
+        yield out
 
-    metrics = benchmark.metrics(rows)
+
+def summarize(cell: Cell, model, started_at: str, wall_time_s: float, group_size: int) -> dict:
+    """A finished cell's metrics.json (written last), its per-run outputs, its tracker entry."""
+    rows = cell.rows
+    metrics = cell.benchmark.metrics(rows)
     metrics.update({
         "n_samples": len(rows),
         "kv_cache_bytes": sum(r["kv_cache_bytes"] for r in rows),
@@ -92,13 +164,14 @@ def execute(cfg: DictConfig, identity: RunIdentity, benchmark, methods: dict, ru
         **({"peak_kv_bytes": max(r["peak_kv_bytes"] for r in rows)} if "peak_kv_bytes" in rows[0] else {}),
         **({"max_kv_entries": max(r["max_kv_entries"] for r in rows),
             "n_compressions": sum(r["n_compressions"] for r in rows)} if "max_kv_entries" in rows[0] else {}),
-        "wall_time_s": round(time.time() - started, 2),
-        **provenance(cfg, model, started_at, benchmark.data_hashes()),
+        "wall_time_s": wall_time_s,                 # of the whole group
+        "group_size": group_size,                   # runs that shared the model and each sample's prefill
+        **provenance(cell.cfg, model, started_at, cell.benchmark.data_hashes()),
     })
-    benchmark.finish(rows, metrics, run_dir)
-    write_json_atomic(run_dir / "metrics.json", metrics)
-    log_run(cfg, identity.folder, run_dir, metrics)
-    print_summary(run_dir, metrics)
+    cell.benchmark.finish(rows, metrics, cell.run_dir)
+    write_json_atomic(cell.run_dir / "metrics.json", metrics)
+    log_run(cell.cfg, cell.identity.folder, cell.run_dir, metrics)
+    print_summary(cell.run_dir, metrics)
     return metrics
 
 

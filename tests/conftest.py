@@ -54,3 +54,13 @@ def tiny_model_dir(embedded_dir, tmp_path_factory):
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(embedded_dir).save_pretrained(path)
     return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run where CUDA is (scripts/gpu_check.sh); elsewhere they are skipped, saying why."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: run scripts/gpu_check.sh on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

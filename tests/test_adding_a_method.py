@@ -63,7 +63,7 @@ def test_the_compressed_cache_holds_the_smallest_norm_keys(tiny_model_dir, tmp_p
         with compress_after_prefill(model, method, cache):
             model(input_ids=ids, past_key_values=cache)
     for full, compressed in zip(reference.layers, cache.layers):
-        for h, kept in enumerate(compressed.head_keys):
+        for h, (kept, _) in enumerate(compressed.heads()):
             keys = full.keys[0, h]
             smallest = keys.norm(dim=-1).argsort()[:20].sort().values   # brute force over the full cache
             torch.testing.assert_close(kept, keys[smallest])

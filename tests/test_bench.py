@@ -22,3 +22,23 @@ def test_bench_rows_are_well_formed(tiny_model_dir, capsys, tmp_path):
     assert all(0 <= r["compress_share"] < 1 for r in rows)
     assert len(list(tmp_path.glob("300_*.txt"))) == len(rows)
     assert rows[0]["decode_speedup"] == 1.0 and rows[0]["decode_bound"] == 1.0
+
+
+def test_bench_reports_attention_calls_and_its_table_reads_the_targets(tiny_model_dir, capsys, tmp_path):
+    main(["--model-path", str(tiny_model_dir), "--contexts", "300", "--methods", "snapkv", "adakv", "--selections",
+          "attention", "--budgets", "64", "--repeats", "1", "--decode-tokens", "3", "--json"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["attention_calls_per_token"] for r in rows] == [r["layers"] for r in rows]   # one call per layer
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    main(["--report", str(path)])
+    report = capsys.readouterr().out
+    assert report.count("\n| 300 |") == 3
+    assert "attention calls per layer and decoded token: at most 1 [target <= 2: met]" in report
+
+
+def test_bench_times_the_perturbation_analysis(tiny_model_dir, capsys):
+    main(["--perturbation-analysis", "--model-path", str(tiny_model_dir), "--contexts", "300", "--methods", "snapkv",
+          "--budgets", "64", "--json"])
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert row["analysis"] == "perturbation" and row["prefill_s"] > 0 and row["measure_s"] > 0

@@ -181,15 +181,16 @@ def test_kv_bytes_are_the_tensors_held_and_memory_is_freed(name):
 
 
 def test_compressed_heads_own_their_memory():
-    """Kept entries are copied out: no head tensor is a view into the freed full cache."""
+    """Kept entries are copied out: no buffer is a view into the freed full cache."""
     model = tiny_model("llama")
     cache = CompressedCache(model.config.num_hidden_layers)
     with torch.no_grad(), compress_after_prefill(model, method_for("adakv", "perturbation", 40, window=8), cache):
         model(input_ids=torch.randint(0, 256, (1, 200)), past_key_values=cache)
     for layer in cache.layers:
         assert layer.keys is None and layer.values is None
-        for t in layer.head_keys + layer.head_values:
+        for t in (layer.key_buffer, layer.value_buffer):
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+            assert t.shape[1] == max(layer.lengths) + layer.room
 
 
 @pytest.mark.parametrize("name,budget", [("snapkv", 64), ("snapkv", 128), ("adakv", 64), ("adakv", 128),
@@ -201,3 +202,32 @@ def test_kept_fraction_is_budget_over_prompt(name, budget):
         ratio = gen.kv_cache_bytes / gen.kv_cache_bytes_full
         tolerance = 0.05 if name == "pyramidkv" else 0.02
         assert abs(ratio / (min(budget, n) / n) - 1) <= tolerance
+
+
+@pytest.mark.parametrize("cell", [("method=snapkv", "selection=perturbation"), ("method=adakv", "selection=attention"),
+                                  ("method=adakv", "profile=adakv", "selection=attention"),
+                                  ("method=pyramidkv", "selection=attention"), ("method=full",)])
+def test_decoding_takes_at_most_two_attention_calls_per_layer_whatever_the_kv_heads(cell):
+    """Llama-3.1's 8 KV heads (4 query heads each), heads of different lengths: the profiler counts the
+    attention calls of 4 decoding steps and of a 3-token question fed after compression."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from pcs.models import prepare
+    from conftest import TINY
+    torch.manual_seed(0)
+    model = prepare(AutoModelForCausalLM.from_config(
+        LlamaConfig(**{**TINY, "hidden_size": 128, "num_attention_heads": 32, "num_key_value_heads": 8})))
+    method = build_method(compose_cfg(*cell, "budget=24", *([] if cell == ("method=full",) else ["method.window=4"])))
+    n_layers = model.config.num_hidden_layers
+    cache = CompressedCache(n_layers)
+    with torch.no_grad():
+        with compress_after_prefill(model, method, cache):
+            model(input_ids=torch.randint(0, 256, (1, 100)), past_key_values=cache)
+        if cell != ("method=full",):
+            assert len({n for layer in cache.entries_per_head() for n in layer}) > 1 or "snapkv" in cell[0]
+        with torch.profiler.profile() as prof:
+            model(input_ids=torch.randint(0, 256, (1, 3)), position_ids=torch.arange(100, 103)[None],
+                  past_key_values=cache)
+            for t in range(4):
+                model(input_ids=torch.tensor([[t]]), position_ids=torch.tensor([[103 + t]]), past_key_values=cache)
+    calls = sum(e.count for e in prof.key_averages() if e.key == "aten::scaled_dot_product_attention")
+    assert n_layers * 5 <= calls <= 2 * n_layers * 5

@@ -2,6 +2,7 @@
 triggers, and recompression of heads of different lengths equal to compressing each head alone."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pcs.cache import CompressibleLayer
 from pcs.compression import recompress
@@ -50,9 +51,9 @@ def ragged_layer(lengths, n_q_heads, d=16, seed=0):
     torch.manual_seed(seed)
     layer = CompressibleLayer()
     layer.lazy_initialization(torch.empty(0), torch.empty(0))
-    layer.head_keys = [torch.randn(n, d) for n in lengths]
-    layer.head_values = [torch.randn(n, d) for n in lengths]
-    layer.keys = layer.values = None
+    keys = torch.stack([F.pad(torch.randn(n, d), (0, 0, 0, max(lengths) - n)) for n in lengths])
+    values = torch.stack([F.pad(torch.randn(n, d), (0, 0, 0, max(lengths) - n)) for n in lengths])
+    layer.fill(keys, values, lengths)
     layer.recent_queries = torch.randn(n_q_heads, 8, d)
     return layer
 
@@ -64,24 +65,24 @@ def test_recompressing_heads_of_different_lengths_equals_compressing_each_alone(
     layer = ragged_layer(lengths, n_q, d)
     o_proj = torch.randn(32, n_q * d)
     method = method_for("snapkv", 24)
-    before = [k.clone() for k in layer.head_keys]
+    before = [k.clone() for k, _ in layer.heads()]
     expected = []
     for h, n in enumerate(lengths):
-        alone = LayerState(0, 4, before[h][None], layer.head_values[h][None], layer.recent_queries[2 * h:2 * h + 2],
+        alone = LayerState(0, 4, before[h][None], layer.heads()[h][1][None], layer.recent_queries[2 * h:2 * h + 2],
                            o_proj[:, 2 * h * d:(2 * h + 2) * d])
         expected.append(before[h][method.keep(alone)[0]])
     assert recompress(layer, method, 0, 4, o_proj)
     for h in range(3):
-        torch.testing.assert_close(layer.head_keys[h], expected[h])
+        torch.testing.assert_close(layer.heads()[h][0], expected[h])
 
 
 def test_adakv_recompression_keeps_the_layer_total_and_only_real_entries():
     lengths = [40, 90, 120]
     layer = ragged_layer(lengths, 6)
-    before = [k.clone() for k in layer.head_keys]
+    before = [k.clone() for k, _ in layer.heads()]
     assert recompress(layer, method_for("adakv", 24), 1, 4, torch.randn(32, 96))
     assert sum(layer.entries_per_head()) == 3 * 24
-    for h, keys in enumerate(layer.head_keys):
+    for h, (keys, _) in enumerate(layer.heads()):
         # Every kept row is one of the head's own rows (no padding), and its newest 8 are kept.
         matches = (keys[:, None, :] == before[h][None, :, :]).all(-1)
         assert matches.any(1).all()

@@ -188,8 +188,8 @@ def test_official_adakv_on_the_embedded_models_real_tensors(embedded_dir):
     ids = Haystack(AutoTokenizer.from_pretrained(embedded_dir), essay_files(None), "").tokens[:700]
     window, budget, states = 32, 128, {}
     cache = CompressedCache(model.config.num_hidden_layers)
-    with torch.no_grad(), after_prefill(model, cache, window,
-                                        lambda state, layer: states.__setitem__(state.layer_idx, state)):
+    with torch.no_grad(), after_prefill(model, cache, [window],
+                                        lambda queries, state, layer: states.__setitem__(state.layer_idx, state)):
         model(input_ids=torch.tensor([ids]), use_cache=True, past_key_values=cache)
     n = len(ids)
     for gqa, official in (("per_query_head", official_adakv_wo_gqa), ("mean_then_pool", None)):

@@ -59,19 +59,25 @@ def test_show_a_sweeps_launcher_config_from_the_command_line():
     proc = subprocess.run([sys.executable, "run.py", "-m", "experiment=table1", "hydra/launcher=slurm", "--cfg", "hydra"],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    launcher = OmegaConf.create(proc.stdout).hydra.launcher
-    assert launcher.gpus_per_node == 1 and launcher._target_.endswith("SlurmLauncher")
+    config, jobs = proc.stdout.split("[pcs] ")
+    launcher = OmegaConf.create(config).hydra.launcher
+    assert launcher.gpus_per_node == 1 and launcher._target_.endswith("GroupedSlurmLauncher")
+    # Then the jobs: one per model, each with the full cache once and the 8 compressed runs.
+    assert jobs.startswith("32 sweep cells, 18 runs, in 2 slurm job(s)")
+    assert jobs.count("  job ") == 2 and jobs.count("longbench/llama31/") == 9 and jobs.count("/full\n") == 2
 
 
 @pytest.mark.slow
-def test_smoke_multirun_through_submitit_local(embedded_dir, tmp_path):
-    proc = subprocess.run([sys.executable, "run.py", "-m", "experiment=smoke", "hydra/launcher=submitit_local",
+def test_smoke_multirun_as_one_submitit_job(embedded_dir, tmp_path):
+    proc = subprocess.run([sys.executable, "run.py", "-m", "experiment=smoke", "hydra/launcher=local_jobs",
                            f"results_dir={tmp_path / 'results'}", f"hydra.sweep.dir={tmp_path / 'multirun'}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     finished = sorted(p.parent.name for p in (tmp_path / "results").rglob("metrics.json"))
     assert finished == ["snapkv_perturbation_b128_context_lengths=600_depth_percents=50_max_new_tokens=24",
                         "snapkv_perturbation_b64_context_lengths=600_depth_percents=50_max_new_tokens=24"]
+    assert "2 sweep cells, 2 runs, in 1 local job(s)" in proc.stdout
+    assert len(list((tmp_path / "multirun").rglob("*_result.pkl"))) == 1     # one submitit job for the group
 
 
 def needle_args(model_dir, results):

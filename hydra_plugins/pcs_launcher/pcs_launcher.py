@@ -1,0 +1,151 @@
+"""pcs's Hydra launchers: a sweep runs as one job per group of runs that can share each sample's prefill
+(``pcs.sweep.plan``), in this process (``hydra/launcher=local``, the default), as SLURM jobs
+(``hydra/launcher=slurm``) or as local submitit jobs (``hydra/launcher=local_jobs``). ``dry_run=true``
+prints the jobs and runs nothing. Hydra's own ``hydra/launcher=basic`` runs one run at a time, unshared."""
+
+import copy
+import json
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Sequence
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, configure_log, setup_globals
+from hydra.plugins.launcher import Launcher
+from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
+from omegaconf import DictConfig, open_dict, read_write
+
+from pcs.config import ConfigError
+from pcs.sweep import describe, plan
+
+CELLS = "pcs_cells="   # a grouped job's one "override": the JSON list of its runs' override lists
+
+
+def cell_config(hydra_context, config: DictConfig, overrides: Sequence[str], job_num: int) -> DictConfig:
+    """One run's config as Hydra's own launchers give it to the task function (without the ``hydra`` node)."""
+    sweep = hydra_context.config_loader.load_sweep_config(config, list(overrides))
+    with open_dict(sweep):
+        sweep.hydra.job.num = sweep.hydra.job.id = job_num
+    HydraConfig.instance().set_config(sweep)
+    task = copy.deepcopy(sweep)
+    with read_write(task), open_dict(task):
+        del task["hydra"]
+    return task
+
+
+def planned(cfgs: list[DictConfig], launcher: str) -> list[list[int]]:
+    """The groups, printed; a config error stops the sweep before anything runs, as ``run.py`` does."""
+    try:
+        groups = plan(cfgs)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(describe(cfgs, groups, launcher), flush=True)
+    return groups
+
+
+def returns(cfgs, overrides, status: JobStatus, values) -> list[JobReturn]:
+    return [JobReturn(overrides=list(o), cfg=c, status=status, _return_value=v)
+            for c, o, v in zip(cfgs, overrides, values)]
+
+
+def run_group(cfgs: list[DictConfig], overrides: list[Sequence[str]]) -> list[JobReturn]:
+    """Run one group's runs together; a failure fails the group's runs (the sweep reports it at the end)."""
+    from pcs.runner import run_cells   # torch: only where the runs execute
+    try:
+        return returns(cfgs, overrides, JobStatus.COMPLETED, run_cells(cfgs))
+    except Exception as err:  # noqa: BLE001 - as Hydra's run_job: recorded, raised by the sweeper
+        traceback.print_exc()
+        return returns(cfgs, overrides, JobStatus.FAILED, [err] * len(cfgs))
+
+
+class GroupingLauncher(Launcher):
+    """Runs a sweep in this process, one group after another."""
+
+    def __init__(self, dry_run: bool = False) -> None:
+        self.dry_run = dry_run
+
+    def setup(self, *, hydra_context, task_function, config) -> None:
+        self.hydra_context, self.config = hydra_context, config
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        setup_globals()
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        cfgs = [cell_config(self.hydra_context, self.config, o, initial_job_idx + i)
+                for i, o in enumerate(job_overrides)]
+        groups = planned(cfgs, "local")
+        if self.dry_run:
+            return returns(cfgs, job_overrides, JobStatus.COMPLETED, [None] * len(cfgs))
+        from pcs.runner import checked
+        try:
+            for cfg in cfgs:    # every run's data and knobs, before any model loads
+                checked(cfg)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
+        done = []
+        for group in groups:
+            done += run_group([cfgs[i] for i in group], [job_overrides[i] for i in group])
+        return done
+
+
+class Grouped:
+    """Mixin for submitit's launchers: one submitted job per group instead of one per run."""
+
+    def __init__(self, dry_run: bool = False, **params) -> None:
+        super().__init__(**params)
+        self.dry_run = dry_run
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        cfgs = [cell_config(self.hydra_context, self.config, o, initial_job_idx + i)
+                for i, o in enumerate(job_overrides)]
+        groups = planned(cfgs, self._EXECUTOR)
+        if self.dry_run:
+            return returns(cfgs, job_overrides, JobStatus.COMPLETED, [None] * len(cfgs))
+        jobs = [[CELLS + json.dumps([list(job_overrides[i]) for i in group])] for group in groups]
+        return [r for group in super().launch(jobs, initial_job_idx) for r in group]
+
+    def __call__(self, sweep_overrides, job_dir_key, job_num, job_id, singleton_state) -> list[JobReturn]:
+        """Runs on the cluster node: the group's runs, from their override lists."""
+        Singleton.set_state(singleton_state)
+        setup_globals()
+        (encoded,) = sweep_overrides
+        overrides = json.loads(encoded[len(CELLS):])
+        cfgs = [cell_config(self.hydra_context, self.config, o, job_num) for o in overrides]
+        return run_group(cfgs, overrides)
+
+
+class GroupedSlurmLauncher(Grouped, SlurmLauncher):
+    pass
+
+
+class GroupedLocalJobsLauncher(Grouped, LocalLauncher):
+    pass
+
+
+@dataclass
+class LocalConf:
+    _target_: str = "hydra_plugins.pcs_launcher.pcs_launcher.GroupingLauncher"
+    dry_run: bool = False
+
+
+@dataclass
+class GroupedSlurmConf(SlurmQueueConf):
+    _target_: str = "hydra_plugins.pcs_launcher.pcs_launcher.GroupedSlurmLauncher"
+    dry_run: bool = False
+
+
+@dataclass
+class GroupedLocalJobsConf(LocalQueueConf):
+    _target_: str = "hydra_plugins.pcs_launcher.pcs_launcher.GroupedLocalJobsLauncher"
+    dry_run: bool = False
+
+
+store = ConfigStore.instance()
+store.store(group="hydra/launcher", name="pcs_local", node=LocalConf, provider="pcs")
+store.store(group="hydra/launcher", name="pcs_slurm", node=GroupedSlurmConf, provider="pcs")
+store.store(group="hydra/launcher", name="pcs_local_jobs", node=GroupedLocalJobsConf, provider="pcs")

@@ -1,0 +1,36 @@
+"""How a sweep becomes jobs: runs that differ only in what is chosen from a prefill (``RunIdentity.prefill_key``:
+method, selection, profile, budget, decoding-time compression) form one group, run as one job that loads the
+model once and prefills each sample once for all of them. Torch-free: a SLURM submitter plans without it."""
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from .config import validate
+from .identity import PER_CELL, RunIdentity
+
+
+def plan(cfgs: list[DictConfig]) -> list[list[int]]:
+    """Indices of ``cfgs`` grouped by prefill key, groups and members in sweep order. Every config is
+    validated first, so a bad cell stops the sweep before anything runs or is submitted."""
+    for cfg in cfgs:
+        validate(cfg)
+    groups: dict[str, list[int]] = {}
+    for i, cfg in enumerate(cfgs):
+        groups.setdefault(RunIdentity(cfg).prefill_key, []).append(i)
+    return list(groups.values())
+
+
+def describe(cfgs: list[DictConfig], groups: list[list[int]], launcher: str) -> str:
+    """The jobs a sweep launches, one line per job and one per run folder in it (sweep cells that are
+    the same run, e.g. the full cache at every budget, are one folder, run once)."""
+    folders = [[RunIdentity(cfgs[i]).folder for i in group] for group in groups]
+    n_runs = sum(len(set(f)) for f in folders)
+    lines = [f"[pcs] {len(cfgs)} sweep cells, {n_runs} runs, in {len(groups)} {launcher} job(s); runs that "
+             f"differ only in {', '.join(PER_CELL)} share a job and each sample's prefill:"]
+    for number, (group, names) in enumerate(zip(groups, folders)):
+        first = cfgs[group[0]]
+        unique = list(dict.fromkeys(names))
+        lines.append(f"  job {number}: model={first.model.name} benchmark={first.benchmark.name}, "
+                     f"{len(unique)} run(s)")
+        lines += [f"    {name}" for name in unique]
+    return "\n".join(lines)

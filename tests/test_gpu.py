@@ -1,0 +1,78 @@
+"""CUDA: the compressed cache decodes on the GPU as on the CPU (whose decoding the masked-full-attention
+tests check), in at most 2 attention calls per layer and token, and one prefill shared by many cells gives
+each what its own prefill gives. Run by scripts/gpu_check.sh; skipped where there is no CUDA."""
+import pytest
+import torch
+
+from pcs.cache import CompressedCache
+from pcs.compression import compress_after_prefill
+from pcs.eviction import build_method
+from pcs.generate import greedy_generate, greedy_generate_each
+
+from conftest import compose_cfg, tiny_model
+
+pytestmark = pytest.mark.gpu
+
+CELLS = [("method=snapkv", "selection=perturbation"), ("method=adakv", "selection=attention"),
+         ("method=adakv", "profile=adakv", "selection=attention"), ("method=pyramidkv", "selection=perturbation"),
+         ("method=streamingllm",), ("method=laprox",), ("method=full",)]
+
+
+def method(cell, budget=40):
+    window = [] if cell[0] in ("method=full", "method=streamingllm", "method=laprox") else ["method.window=8"]
+    return build_method(compose_cfg(*cell, f"budget={budget}", *window))
+
+
+def logits(model, device, chosen, ids, tokens, question):
+    """The prefill's last logits, the question's, then one per decoded token, on ``device``."""
+    model = model.to(device)
+    cache = CompressedCache(model.config.num_hidden_layers)
+    n = ids.shape[1]
+    with torch.no_grad():
+        with compress_after_prefill(model, chosen, cache):
+            out = [model(input_ids=ids.to(device), past_key_values=cache).logits[0, -1:]]
+        out.append(model(input_ids=question.to(device), position_ids=torch.arange(n, n + 5, device=device)[None],
+                         past_key_values=cache).logits[0])
+        for t, tok in enumerate(tokens):
+            out.append(model(input_ids=torch.tensor([[tok]], device=device),
+                             position_ids=torch.tensor([[n + 5 + t]], device=device), past_key_values=cache).logits[0])
+    return torch.cat(out).cpu(), cache
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_cuda_decoding_equals_cpu_decoding(arch, cell):
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(0)
+    ids, question = torch.randint(0, 256, (1, 150), generator=g), torch.randint(0, 256, (1, 5), generator=g)
+    tokens = torch.randint(0, 256, (6,), generator=g).tolist()
+    want, _ = logits(model, "cpu", method(cell), ids, tokens, question)
+    got, cache = logits(model, "cuda", method(cell), ids, tokens, question)
+    assert cache.layers[0].key_buffer.is_cuda
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_cuda_decoding_takes_at_most_two_attention_calls_per_layer(cell):
+    model = tiny_model("llama").cuda()
+    ids = torch.randint(0, 256, (1, 200), device="cuda")
+    with torch.profiler.profile() as prof:
+        gen = greedy_generate(model, ids, method(cell), 9, set())
+    calls = sum(e.count for e in prof.key_averages() if e.key == "aten::scaled_dot_product_attention")
+    layers = model.config.num_hidden_layers
+    assert len(gen.token_ids) == 9 and calls - layers <= 2 * layers * 8
+
+
+def test_cuda_shared_prefill_gives_each_cell_its_own_result():
+    model = tiny_model("llama").cuda()
+    ids = torch.randint(0, 256, (1, 300), device="cuda")
+    built = [method(cell) for cell in CELLS]
+    shared = greedy_generate_each(model, ids, built, 10, set())
+    for chosen, got in zip(built, shared):
+        alone = greedy_generate(model, ids, chosen, 10, set())
+        assert got.token_ids == alone.token_ids and got.kv_cache_bytes == alone.kv_cache_bytes
+
+
+def test_bench_runs_long_contexts_in_bfloat16():
+    from pcs.bench import main
+    assert main(["--model", "llama31-shape", "--layers", "2", "--contexts", "8192", "--device", "cuda",
+                 "--methods", "snapkv", "adakv", "--budgets", "128", "--repeats", "1", "--decode-tokens", "4"]) == 0
