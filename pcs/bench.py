@@ -247,16 +247,19 @@ def format_row(row: dict) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    """A results file as the table of results/bench/README.md."""
+    """A results file as the table of results/bench/README.md (peak: the allocator's total on CUDA, the
+    growth of resident memory on CPU; compressing: ``--profile``'s share, where measured)."""
+    profiled = any("compress_share" in r for r in rows)
     lines = ["| context | method | selection | budget | prefill+compress s | decode ms/token | KV MiB kept / full "
-             "| peak GiB | decode speed-up | bound | attention calls/token |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| peak GiB | decode speed-up | bound | attention calls/token |" + (" compressing |" if profiled else ""),
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if profiled else "")]
     for r in rows:
         peak = r.get("peak_mem_total_bytes") or r["peak_mem_bytes"]
         lines.append(f"| {r['context']} | {r['method']} | {r['selection']} | {r['budget'] or '-'} | {r['prefill_s']:.3f} "
                      f"| {r['decode_ms_per_token']:.2f} | {r['kv_bytes'] / 2**20:.1f} / {r['kv_bytes_full'] / 2**20:.1f} "
                      f"| {peak / 2**30:.2f} | {r['decode_speedup']:.2f} | {r['decode_bound']:.2f} "
-                     f"| {r.get('attention_calls_per_token', float('nan')):g} |")
+                     f"| {r.get('attention_calls_per_token', float('nan')):g} |"
+                     + (f" {100 * r['compress_share']:.1f} % |" if profiled else ""))
     return "\n".join(lines)
 
 

@@ -9,7 +9,8 @@ call per layer, the query heads of a KV head stacked as rows and a mask hiding e
 Batch size is 1, as in the evaluation protocols this harness follows.
 
 A method may also choose per query head (official AdaKV's default GQA mode): a KV head then stores the
-union of its query heads' entries once, and ``seen`` masks, per query head, the entries it did not choose.
+union of its query heads' entries once, and its mask hides from each query head the entries that head did
+not choose.
 
 ``nbytes`` counts the entries a layer holds (what the method kept); ``buffer_bytes`` counts what is
 allocated, room and the padding of shorter heads included.
@@ -46,8 +47,13 @@ class CompressibleLayer(CacheLayerMixin):
         self.key_buffer: torch.Tensor | None = None     # (H_kv, capacity, d)
         self.value_buffer: torch.Tensor | None = None
         self.lengths: list[int] = []                     # entries held per KV head
-        self.device_lengths: torch.Tensor | None = None  # the same, on the buffer's device
-        self.seen: torch.Tensor | None = None            # (H_kv, group, capacity), when query heads chose apart
+        self.chose_apart = False                         # query heads of a KV head see different entries
+        # Where heads differ (lengths, or per query head): (H_kv, 1 or group, capacity), True at the slots a
+        # query row sees, kept up to date as entries arrive, and the flat indices of each head's next slot
+        # in the buffers and in it. None where every head holds the same entries: nothing to mask.
+        self.allowed: torch.Tensor | None = None
+        self.next_slot: torch.Tensor | None = None       # (H_kv,) into key_buffer.view(-1, d)
+        self.next_allowed: torch.Tensor | None = None    # (H_kv x rows,) into allowed.view(-1)
         self.n_positions = 0   # tokens seen, i.e. the next position id (not the number held)
         self.recent_queries: torch.Tensor | None = None   # (H_q, <=w, d), kept for recompression
 
@@ -58,11 +64,6 @@ class CompressibleLayer(CacheLayerMixin):
     @property
     def is_buffered(self) -> bool:
         return self.key_buffer is not None
-
-    @property
-    def chose_apart(self) -> bool:
-        """Whether the query heads of a KV head see different entries (per-query-head choices)."""
-        return self.seen is not None
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -94,15 +95,26 @@ class CompressibleLayer(CacheLayerMixin):
         self.key_buffer[:, :n] = keys
         self.value_buffer[:, :n] = values
         self.lengths = list(lengths)
-        self.device_lengths = torch.tensor(lengths, dtype=torch.long, device=keys.device)
-        self.seen = None
-        if seen is not None and any(m is not None for m in seen):
-            group = next(m for m in seen if m is not None).shape[0]
-            self.seen = torch.ones(n_heads, group, capacity, dtype=torch.bool, device=keys.device)
-            for h, mask in enumerate(seen):
+        self.chose_apart = seen is not None and any(m is not None for m in seen)
+        self.allowed = None
+        if self.chose_apart or len(set(lengths)) > 1:
+            rows = next(m for m in seen if m is not None).shape[0] if self.chose_apart else 1
+            slots = torch.arange(capacity, device=keys.device)
+            held = slots < torch.tensor(lengths, device=keys.device)[:, None]                  # (H_kv, capacity)
+            self.allowed = held[:, None].repeat(1, rows, 1)
+            for h, mask in enumerate(seen if self.chose_apart else []):
                 if mask is not None:
-                    self.seen[h, :, :mask.shape[1]] = mask
+                    self.allowed[h, :, :mask.shape[1]] = mask
+            self.index_next_slots()
         self.keys = self.values = None
+
+    def index_next_slots(self) -> None:
+        """Flat indices of each head's next free slot, in the buffers and in ``allowed``."""
+        n_heads, capacity, rows = self.key_buffer.shape[0], self.key_buffer.shape[1], self.allowed.shape[1]
+        lengths = torch.tensor(self.lengths, device=self.key_buffer.device)
+        self.next_slot = torch.arange(n_heads, device=lengths.device) * capacity + lengths
+        self.next_allowed = (torch.arange(n_heads * rows, device=lengths.device) * capacity
+                             + lengths.repeat_interleave(rows))
 
     def grow(self, needed: int) -> None:
         """Enlarge the buffer to hold ``needed`` entries per head (copies once; amortised over the steps)."""
@@ -111,8 +123,9 @@ class CompressibleLayer(CacheLayerMixin):
         pad = (0, 0, 0, capacity - old)
         self.key_buffer = F.pad(self.key_buffer, pad)
         self.value_buffer = F.pad(self.value_buffer, pad)
-        if self.seen is not None:
-            self.seen = F.pad(self.seen, (0, capacity - old), value=True)
+        if self.allowed is not None:
+            self.allowed = F.pad(self.allowed, (0, capacity - old), value=False)
+            self.index_next_slots()
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[HeldKeys, torch.Tensor]:
         """Write (H_kv, q, d) new entries after each head's own; return what attention reads."""
@@ -120,30 +133,34 @@ class CompressibleLayer(CacheLayerMixin):
         longest = max(old) + q
         if longest > self.key_buffer.shape[1]:
             self.grow(longest)
-        if len(set(old)) == 1:             # heads of one length: a slice
-            self.key_buffer[:, old[0]:old[0] + q] = keys
-            self.value_buffer[:, old[0]:old[0] + q] = values
-        else:                              # each head at its own length: one scatter
-            rows = torch.arange(len(old), device=keys.device)[:, None]
-            slots = self.device_lengths[:, None] + torch.arange(q, device=keys.device)
-            self.key_buffer[rows, slots] = keys
-            self.value_buffer[rows, slots] = values
-        mask = self.visible(old, q, longest)
+        if self.allowed is None:           # heads of one length: a slice
+            self.key_buffer[:, old[0]:longest] = keys
+            self.value_buffer[:, old[0]:longest] = values
+            mask = None if q == 1 else self.causal(old, q, longest)
+        else:                              # each head at its own length: one indexed copy, no history moved
+            slots = self.next_slot if q == 1 else (self.next_slot[:, None] + torch.arange(q, device=keys.device))
+            d = keys.shape[-1]
+            self.key_buffer.view(-1, d).index_copy_(0, slots.reshape(-1), keys.reshape(-1, d))
+            self.value_buffer.view(-1, d).index_copy_(0, slots.reshape(-1), values.reshape(-1, d))
+            mask = None if q == 1 else self.allowed[:, :, None, :longest] | self.causal(old, q, longest, only_new=True)
+            for t in range(q):             # the new entries are seen by every query head
+                self.allowed.view(-1).index_fill_(0, self.next_allowed + t, True)
+            self.next_slot += q
+            self.next_allowed += q
+            if q == 1:                     # a view: the step's new entry is already in it
+                mask = self.allowed[:, :, None, :longest]
         self.lengths = [n + q for n in old]
-        self.device_lengths += q
         return HeldKeys(self.key_buffer[None, :, :longest], mask), self.value_buffer[None, :, :longest]
 
-    def visible(self, old: list[int], q: int, longest: int) -> torch.Tensor | None:
-        """(H_kv, 1 or group, q, longest): new token t of head h sees its head's ``old[h]`` entries, the new
-        ones up to itself and, where query heads chose apart, only its own. None when that is every slot."""
-        if self.seen is None and q == 1 and len(set(old)) == 1:
-            return None
+    def causal(self, old: list[int], q: int, longest: int, only_new: bool = False) -> torch.Tensor:
+        """(H_kv, 1, q, longest): new token t of head h sees the head's ``old[h]`` entries (unless ``only_new``)
+        and the new ones up to itself."""
         device = self.key_buffer.device
-        limit = self.device_lengths[:, None] + torch.arange(1, q + 1, device=device)        # (H_kv, q)
-        mask = (torch.arange(longest, device=device) < limit[..., None])[:, None]           # (H_kv, 1, q, L)
-        if self.seen is not None:
-            mask = mask & self.seen[:, :, None, :longest]
-        return mask
+        first = torch.tensor(old, device=device)[:, None, None]                       # (H_kv, 1, 1)
+        last = first + torch.arange(q, device=device)[None, :, None]                   # (H_kv, q, 1)
+        slots = torch.arange(longest, device=device)
+        mask = (slots <= last) & (slots >= first) if only_new else slots <= last
+        return mask[:, None]
 
     def compress(self, kept: list[torch.Tensor]) -> None:
         """Keep, for KV head h, the entries at ``kept[h]`` (indices into what the head holds now);
@@ -210,7 +227,7 @@ class CompressibleLayer(CacheLayerMixin):
         """Bytes allocated for the layer: ``nbytes`` plus reserved room and the padding of shorter heads."""
         if not self.is_buffered:
             return self.nbytes()
-        tensors = [self.key_buffer, self.value_buffer] + ([self.seen] if self.seen is not None else [])
+        tensors = [self.key_buffer, self.value_buffer] + ([self.allowed] if self.allowed is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def get_seq_length(self) -> int:

@@ -52,6 +52,13 @@ def full_kv_bytes(config, n_tokens: int, dtype: torch.dtype) -> int:
     return per_token * n_tokens * torch.empty(0, dtype=dtype).element_size()
 
 
+def clock(device: torch.device) -> float:
+    """Seconds, once the device's queued work is done (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 @torch.inference_mode()
 def greedy_generate_each(model, input_ids: torch.Tensor, methods: list[Method], max_new_tokens: int,
                          stop_token_ids: set[int], question_ids: torch.Tensor | None = None, min_new_tokens: int = 0,
@@ -64,11 +71,11 @@ def greedy_generate_each(model, input_ids: torch.Tensor, methods: list[Method], 
     n = input_ids.shape[1]
     room = max_new_tokens + (0 if question_ids is None else question_ids.shape[1])
     caches = [CompressedCache(model.config.num_hidden_layers, room) for _ in methods]
-    start = time.perf_counter()
+    start = clock(device)
     with compress_each_after_prefill(model, methods, caches) as cells:
         logits = model(input_ids=input_ids.to(device), past_key_values=caches[0], use_cache=True,
                        logits_to_keep=1).logits
-    prefill_s = time.perf_counter() - start
+    prefill_s = clock(device) - start
     del caches
     generations = []
     for i, trigger in enumerate(triggers or [None] * len(methods)):
@@ -95,7 +102,7 @@ def generate_on(model, cache: CompressedCache, method: Method, logits, n: int, p
     """The question (if fed after compression) and the greedy answer on one method's compressed cache."""
     device = logits.device
     stats = CompressionStats(max_kv_entries=max(max(h) for h in cache.entries_per_head()))
-    start = time.perf_counter()
+    start = clock(device)
     with recompress_when_full(model, method, cache, trigger, stats):
         if question_ids is not None:
             q = question_ids.shape[1]
@@ -103,10 +110,10 @@ def generate_on(model, cache: CompressedCache, method: Method, logits, n: int, p
                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits
             n += q
         kv_bytes = cache.nbytes()
-        prefill_s += time.perf_counter() - start
-        start = time.perf_counter()
+        prefill_s += clock(device) - start
+        start = clock(device)
         tokens = decode(model, cache, logits, n, max_new_tokens, stop_token_ids, min_new_tokens)
-    decode_s = time.perf_counter() - start
+    decode_s = clock(device) - start
     return Generation(tokens, n, kv_bytes, full_kv_bytes(model.config, n, model.dtype), prefill_s, decode_s,
                       stats.max_kv_entries, stats.n_compressions, peak_kv_bytes)
 

@@ -70,8 +70,8 @@ def masked_reference_logits(model, input_ids, kept, n_steps, tokens, question=No
         model.set_attn_implementation("pcs")
 
 
-def compressed_logits(model, input_ids, method, tokens, question=None):
-    cache = CompressedCache(model.config.num_hidden_layers)
+def compressed_logits(model, input_ids, method, tokens, question=None, room=256):
+    cache = CompressedCache(model.config.num_hidden_layers, room)
     n = input_ids.shape[1]
     with compress_after_prefill(model, method, cache):
         out = [model(input_ids=input_ids, past_key_values=cache).logits[0, -1:]]
@@ -84,6 +84,25 @@ def compressed_logits(model, input_ids, method, tokens, question=None):
         out.append(model(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[n + t]]),
                          past_key_values=cache).logits[0, -1:])
     return torch.cat(out), cache
+
+
+@pytest.mark.parametrize("cell", [("method=adakv", "selection=attention"), ("method=snapkv", "selection=attention"),
+                                  ("method=adakv", "profile=adakv", "selection=attention")])
+def test_buffers_that_grow_while_decoding_still_equal_masked_full_attention(cell):
+    """Room for 1 entry: the question and the decoding steps outgrow every buffer several times."""
+    model = tiny_model("llama")
+    torch.manual_seed(2)
+    input_ids, question = torch.randint(0, 256, (1, 90)), torch.randint(0, 256, (1, 4))
+    tokens = torch.randint(0, 256, (9,)).tolist()
+    spy = Spy(build_method(compose_cfg(*cell, "budget=30", "method.window=8")))
+    with torch.no_grad():
+        got, cache = compressed_logits(model, input_ids, spy, tokens, question, room=1)
+        want = masked_reference_logits(model, input_ids, spy.kept, len(tokens), tokens, question)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for layer, kept in zip(cache.layers, spy.kept.values()):
+        assert layer.key_buffer.shape[1] > 30 + 1     # grown past the first capacity
+        if len(kept) == len(layer.lengths):             # per KV head: its kept entries, the question's, the steps'
+            assert layer.entries_per_head() == [len(k) + 4 + 9 for k in kept]
 
 
 @pytest.mark.parametrize("name,selection", [("snapkv", "perturbation"), ("pyramidkv", "attention"),
