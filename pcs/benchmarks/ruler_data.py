@@ -156,6 +156,8 @@ class NiahGenerator:
     def samples(self, count: int) -> list[dict]:
         """``count`` samples: ``input`` (the prompt, answer prefix included), ``outputs``, ``length``."""
         n, step, out = self.fitted_size(), self.step(), []
+        if n <= 0:
+            raise ValueError(f"a prompt of this task does not fit in {self.length} tokens")
         for index in range(count):
             used = n
             while True:
