@@ -123,3 +123,95 @@ def test_scoring_as_ruler_and_kvpress():
     assert string_match_part("Paris, I think", ["London", "paris"]) == 100
     assert string_match_part("Rome", ["London", "Paris"]) == 0
     assert normalize_ruler("  12\x0034\t ") == "12\n34" and normalize_kvpress("  12\x0034\t ") == "1234"
+
+
+def ruler_vt(max_seq_length, num_samples, n_tokens, seed=42):
+    """hsiehjackson/RULER scripts/data/synthetic/variable_tracking.py (e40fae1): generate_chains,
+    generate_input_output, sys_vartrack_w_noise_random and main (one chain, 4 hops, the one-shot example), with
+    the global ``random`` and numpy's global stream as there; template = RULER's vt template + answer prefix."""
+    import string
+    import numpy as np
+    random.seed(seed)
+    np.random.seed(seed)
+    task_template = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+                     "{context}\nQuestion: Find all variables that are assigned the value {query} in the text above.")
+    answer_prefix = (" Answer: According to the chain(s) of variable assignment in the text above, {num_v} "
+                     "variables are assgined the value {query}, they are: ")
+    full_template = task_template + answer_prefix
+
+    def generate_chains(num_chains, num_hops, is_icl):
+        k = 5 if not is_icl else 3
+        num_hops = num_hops if not is_icl else min(10, num_hops)
+        vars_all = ["".join(random.choices(string.ascii_uppercase, k=k)).upper() for _ in range((num_hops + 1) * num_chains)]
+        while len(set(vars_all)) < num_chains * (num_hops + 1):
+            vars_all.append("".join(random.choices(string.ascii_uppercase, k=k)).upper())
+        vars_ret, chains_ret = [], []
+        for i in range(0, len(vars_all), num_hops + 1):
+            this_vars = vars_all[i:i + num_hops + 1]
+            vars_ret.append(this_vars)
+            this_chain = [f"VAR {this_vars[0]} = {np.random.randint(10000, 99999)}"]
+            for j in range(num_hops):
+                this_chain.append(f"VAR {this_vars[j + 1]} = VAR {this_vars[j]} ")
+            chains_ret.append(this_chain)
+        return vars_ret, chains_ret
+
+    def generate_input_output(num_noises, is_icl):
+        vars_, chains = generate_chains(1, 4, is_icl)
+        noise = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
+        sentences = [noise] * num_noises
+        if len(sentences) <= len(chains[0]):
+            sentences = [n + "." if len(n.strip()) > 0 else n for n in [x for noise in sentences for x in noise.split(".")]]
+            if not len(sentences) > len(chains[0]):
+                chains = [chain[:len(sentences) - 1] for chain in chains]
+        for chain_i in chains:
+            positions = list(sorted(random.sample(range(len(sentences)), len(chain_i))))
+            for insert_pi, j in zip(positions, range(len(chain_i))):
+                sentences.insert(insert_pi + j, chain_i[j])
+        context = " ".join(sentences).replace(". \n", ".\n")
+        template = full_template
+        if is_icl:
+            cutoff = template.index(task_template[:20])
+            cutoff_ans = template.index(answer_prefix[:10])
+            template = " ".join(template[cutoff:cutoff_ans].split()[:-1]) + template[cutoff_ans:]
+        value = chains[0][0].split("=")[-1].strip()
+        return template.format(context=context, query=value, num_v=5), vars_[0]
+
+    def sys_vartrack(num_samples, max_seq_length, incremental=10, icl_example=None):
+        out, num_noises, total_tokens, example_tokens = [], incremental, 0, 0
+        if icl_example is not None:
+            icl_example = icl_example["input"] + " " + " ".join(icl_example["outputs"]) + "\n\n"
+            example_tokens = n_tokens(icl_example)
+        while total_tokens + 30 + example_tokens < max_seq_length:
+            input_text, answer = generate_input_output(num_noises, icl_example is None)
+            total_tokens = n_tokens(input_text + f" {answer}")
+            if total_tokens + 30 + example_tokens > max_seq_length:
+                num_noises -= incremental
+                break
+            num_noises += incremental
+        for index in range(num_samples):
+            used_noises = num_noises
+            while True:
+                input_text, answer = generate_input_output(used_noises, icl_example is None)
+                length = n_tokens(input_text) + 30 + example_tokens
+                if length <= max_seq_length:
+                    break
+                if used_noises > incremental:
+                    used_noises -= incremental
+            if icl_example is not None:
+                cutoff = input_text.index(task_template[:20])
+                input_text = input_text[:cutoff] + " " + icl_example + "\n\n" + input_text[cutoff:]
+            out.append({"index": index, "input": input_text, "outputs": answer, "length": length})
+        return out
+
+    icl = sys_vartrack(1, 500, incremental=5)[0]
+    return sys_vartrack(num_samples, max_seq_length, icl_example=icl)
+
+
+@pytest.mark.parametrize("length", [1024, 3000])
+def test_vt_is_rulers_draw_for_draw(length):
+    from pcs.benchmarks.ruler_data import VtGenerator
+    ours = VtGenerator(count_words, length).samples(5)
+    assert ours == ruler_vt(length, 5, count_words)
+    for s in ours:
+        assert s["length"] <= length and len(s["outputs"]) == 5
+        assert s["input"].count("Question: Find all variables") == 2     # the one-shot example's and its own

@@ -19,15 +19,13 @@ from ..paths import default_cache_dir, package_dir
 from ..provenance import sha256_files, sha256_text
 from .base import Benchmark, Sample
 from .needle import essay_files
-from .ruler_data import (NIAH, NIAH_NEW_TOKENS, NiahGenerator, essay_words, needle_words, normalize_kvpress,
-                         normalize_ruler, string_match_all, string_match_part)
+from .ruler_data import (NIAH, TASKS, essay_words, generate, needle_words, normalize_kvpress, normalize_ruler,
+                         string_match_all, string_match_part)
 
 GENERATOR_VERSION = 1     # bump when a generator changes what it draws: cached samples are then made anew
 NORMALIZE = {"ruler": normalize_ruler, "kvpress": normalize_kvpress}
 # RULER's task groups (the README's categories).
 GROUPS = {"retrieval": sorted(NIAH), "multi_hop_tracing": ["vt"], "aggregation": ["cwe", "fwe"], "qa": ["qa_1", "qa_2"]}
-# Where the question starts (kvpress's split of RULER's inputs, create_huggingface_dataset.py).
-QUESTION = re.compile(r"What (?:is|are all) the special magic")
 
 
 def word_lists() -> Path:
@@ -41,14 +39,14 @@ class Ruler(Benchmark):
         self.digests: dict[str, str] = {}    # per task and length, the samples' SHA-256 (provenance)
 
     def check(self) -> None:
-        unknown = [t for t in self.cfg.tasks if t not in NIAH]
+        unknown = [t for t in self.cfg.tasks if t not in TASKS]
         if unknown:
-            raise ValueError(f"benchmark.tasks: {unknown} are not generated yet; available: {', '.join(NIAH)}")
+            raise ValueError(f"benchmark.tasks: {unknown} are not generated yet; available: {', '.join(TASKS)}")
         if self.cfg.normalize not in NORMALIZE:
             raise ValueError(f"benchmark.normalize={self.cfg.normalize!r}: choose ruler or kvpress")
-        short = [n for n in self.cfg.lengths if n <= NIAH_NEW_TOKENS + 64]
+        short = [n for n in self.cfg.lengths if n < 512]
         if short:
-            raise ValueError(f"benchmark.lengths {short} leave no room for a prompt beside {NIAH_NEW_TOKENS} new tokens")
+            raise ValueError(f"benchmark.lengths {short}: RULER's prompts need at least 512 tokens")
         word_lists()
         essay_files(self.cfg.haystack_dir)
 
@@ -66,9 +64,8 @@ class Ruler(Benchmark):
         if path.exists():
             return [json.loads(line) for line in path.read_text().splitlines()]
         count = lambda text: len(tokenizer.tokenize(text))
-        essay = essay_words(essay_files(self.cfg.haystack_dir)) if NIAH[task].haystack == "essay" else None
-        rows = NiahGenerator(NIAH[task], count, length, needle_words(word_lists()), essay,
-                             self.cfg.seed).samples(self.cfg.n_samples)
+        essay = essay_words(essay_files(self.cfg.haystack_dir)) if TASKS[task].essay else None
+        rows = generate(task, count, length, self.cfg.n_samples, self.cfg.seed, needle_words(word_lists()), essay)
         folder.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -81,13 +78,14 @@ class Ruler(Benchmark):
             for task in self.cfg.tasks:
                 rows = self.generated(task, length, tokenizer)
                 self.digests[f"{task}_{length}"] = sha256_text(json.dumps(rows))
+                spec = TASKS[task]
                 for row in rows:
                     text = row["input"]
-                    prefix_at = text.rfind(" The special magic")
+                    prefix_at = text.rfind(spec.prefix)
                     user, prefix = text[:prefix_at], text[prefix_at:]
-                    question = "" if self.cfg.query_aware else user[list(QUESTION.finditer(user))[-1].start():]
+                    question = "" if self.cfg.query_aware else user[list(re.finditer(spec.question, user))[-1].start():]
                     out.append(Sample(id=f"{task}_{length}_{row['index']}", prompt=user, answer_prefix=prefix,
-                                      question=question, max_new_tokens=NIAH_NEW_TOKENS,
+                                      question=question, max_new_tokens=spec.new_tokens,
                                       meta={"task": task, "length": length, "outputs": row["outputs"],
                                             "ruler_tokens": row["length"]}))
         return out

@@ -190,3 +190,107 @@ def string_match_all(prediction: str, references: list[str]) -> float:
 def string_match_part(prediction: str, references: list[str]) -> float:
     """0 or 100: whether any reference is found in the prediction, case-insensitively."""
     return 100.0 * any(r.lower() in prediction.lower() for r in references)
+
+
+# Variable tracking (RULER's scripts/data/synthetic/variable_tracking.py): one chain of 4 hops in noise, with
+# RULER's one-shot example (built first, at 500 tokens) prepended.
+VT_TEMPLATE = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
+               "Question: Find all variables that are assigned the value {query} in the text above.")
+VT_PREFIX = (" Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are "
+             "assgined the value {query}, they are: ")
+VT_NEW_TOKENS = 30
+VT_NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
+
+
+class VtGenerator:
+    """Samples of vt at ``length`` tokens, RULER's draws in RULER's order (``random`` and numpy's legacy stream,
+    both seeded with ``seed``). Where a variable name repeats (RULER's script then fails and retries the
+    sample; about once in 1,700 one-shot chains, once in a million others), a new name is drawn instead."""
+
+    def __init__(self, n_tokens: Callable[[str], int], length: int, seed: int = 42, hops: int = 4):
+        import numpy as np
+        self.n_tokens, self.length, self.hops = n_tokens, length, hops
+        self.rng, self.np_rng = random.Random(seed), np.random.RandomState(seed)
+
+    def chain(self, one_shot: bool) -> tuple[list[str], list[str]]:
+        letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+        k, hops = (3, min(10, self.hops)) if one_shot else (5, self.hops)
+        names = ["".join(self.rng.choices(letters, k=k)) for _ in range(hops + 1)]
+        while len(set(names)) < hops + 1:
+            names.append("".join(self.rng.choices(letters, k=k)))
+        names = names[:hops + 1]
+        lines = [f"VAR {names[0]} = {self.np_rng.randint(10000, 99999)}"]
+        lines += [f"VAR {names[j + 1]} = VAR {names[j]} " for j in range(hops)]
+        return names, lines
+
+    def build(self, n_noise: int, one_shot: bool) -> tuple[str, list[str]]:
+        names, lines = self.chain(one_shot)
+        sentences = [VT_NOISE] * n_noise
+        if len(sentences) <= len(lines):
+            sentences = [s + "." if s.strip() else s for noise in sentences for s in noise.split(".")]
+            lines = lines[:len(sentences) - 1] if len(sentences) <= len(lines) else lines
+        for offset, index in enumerate(sorted(self.rng.sample(range(len(sentences)), len(lines)))):
+            sentences.insert(index + offset, lines[offset])
+        context = " ".join(sentences).replace(". \n", ".\n")
+        template = VT_TEMPLATE + VT_PREFIX
+        if one_shot:   # newlines collapsed and the question's last word ("above.") dropped, as RULER
+            cut = template.index(VT_PREFIX[:10])
+            template = " ".join(template[:cut].split()[:-1]) + template[cut:]
+        value = lines[0].split("=")[-1].strip()
+        return template.format(context=context, query=value, num_v=self.hops + 1), names
+
+    def fitted(self, length: int, step: int, count: int, example: str | None) -> list[dict]:
+        """RULER's ``sys_vartrack_w_noise_random``: the noise search, then ``count`` samples."""
+        one_shot = example is None
+        example_tokens = self.n_tokens(example) if example else 0
+        n, total = step, 0
+        while total + VT_NEW_TOKENS + example_tokens < length:
+            prompt, names = self.build(n, one_shot)
+            total = self.n_tokens(prompt + f" {names}")
+            if total + VT_NEW_TOKENS + example_tokens > length:
+                n -= step
+                break
+            n += step
+        out = []
+        for index in range(count):
+            used = n
+            while True:
+                prompt, names = self.build(used, one_shot)
+                tokens = self.n_tokens(prompt) + VT_NEW_TOKENS + example_tokens
+                if tokens <= length:
+                    break
+                if used <= step:
+                    raise ValueError(f"a vt prompt does not fit in {length} tokens")
+                used -= step
+            if example:
+                prompt = " " + example + "\n\n" + prompt
+            out.append({"index": index, "input": prompt, "outputs": names, "length": tokens})
+        return out
+
+    def samples(self, count: int) -> list[dict]:
+        shot = self.fitted(500, 5, 1, None)[0]
+        return self.fitted(self.length, 10, count, shot["input"] + " " + " ".join(shot["outputs"]) + "\n\n")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What the benchmark needs to know of a generated task beyond its samples."""
+    new_tokens: int
+    prefix: str       # the answer prefix's start (its last occurrence in RULER's input)
+    question: str     # a regex for the question's start (its last match: a one-shot example has one too)
+    essay: bool = False
+
+
+TASKS = {**{name: TaskSpec(NIAH_NEW_TOKENS, " The special magic", r"What (?:is|are all) the special magic",
+                           task.haystack == "essay") for name, task in NIAH.items()},
+         "vt": TaskSpec(VT_NEW_TOKENS, " Answer: According to the chain",
+                        r"Question: Find all variables that are assigned the value")}
+
+
+def generate(task: str, n_tokens: Callable[[str], int], length: int, count: int, seed: int, words: list[str],
+             essay: list[str] | None) -> list[dict]:
+    """``count`` samples of ``task`` at ``length`` tokens: ``input`` (RULER's, answer prefix included),
+    ``outputs``, ``length`` (RULER's token count)."""
+    if task == "vt":
+        return VtGenerator(n_tokens, length, seed).samples(count)
+    return NiahGenerator(NIAH[task], n_tokens, length, words, essay, seed).samples(count)
