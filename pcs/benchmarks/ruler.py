@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from functools import cached_property
 from pathlib import Path
 
 from ..paths import default_cache_dir, package_dir
@@ -50,22 +51,30 @@ class Ruler(Benchmark):
         word_lists()
         essay_files(self.cfg.haystack_dir)
 
-    def cache_key(self, task: str, length: int, tokenizer) -> str:
-        vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
-        parts = [GENERATOR_VERSION, task, length, self.cfg.n_samples, self.cfg.seed, sha256_text(vocab),
-                 sha256_files(essay_files(self.cfg.haystack_dir)),
-                 sha256_files([word_lists() / "adjectivelist.txt", word_lists() / "nounlist.txt"])]
-        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
+    @cached_property
+    def words(self) -> list[str]:
+        return needle_words(word_lists())
 
-    def generated(self, task: str, length: int, tokenizer) -> list[dict]:
+    @cached_property
+    def essay(self) -> list[str]:
+        return essay_words(essay_files(self.cfg.haystack_dir))
+
+    def sources_digest(self, tokenizer) -> str:
+        """What every task's samples depend on besides the task and length: tokenizer vocabulary, essays, words."""
+        vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
+        return sha256_text(json.dumps([sha256_text(vocab), sha256_files(essay_files(self.cfg.haystack_dir)),
+                                       sha256_files([word_lists() / "adjectivelist.txt", word_lists() / "nounlist.txt"])]))
+
+    def generated(self, task: str, length: int, tokenizer, sources: str) -> list[dict]:
         """RULER's samples of one task and length, from the cache or generated (then cached)."""
+        key = [GENERATOR_VERSION, task, length, self.cfg.n_samples, self.cfg.seed, sources]
         folder = Path(self.cfg.cache_dir or default_cache_dir() / "ruler")
-        path = folder / f"{task}_{length}_{self.cache_key(task, length, tokenizer)}.jsonl"
+        path = folder / f"{task}_{length}_{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:20]}.jsonl"
         if path.exists():
             return [json.loads(line) for line in path.read_text().splitlines()]
         count = lambda text: len(tokenizer.tokenize(text))
-        essay = essay_words(essay_files(self.cfg.haystack_dir)) if TASKS[task].essay else None
-        rows = generate(task, count, length, self.cfg.n_samples, self.cfg.seed, needle_words(word_lists()), essay)
+        rows = generate(task, count, length, self.cfg.n_samples, self.cfg.seed, self.words,
+                        self.essay if TASKS[task].essay else None)
         folder.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -73,10 +82,10 @@ class Ruler(Benchmark):
         return rows
 
     def samples(self, tokenizer) -> list[Sample]:
-        out = []
+        out, sources = [], self.sources_digest(tokenizer)
         for length in self.cfg.lengths:
             for task in self.cfg.tasks:
-                rows = self.generated(task, length, tokenizer)
+                rows = self.generated(task, length, tokenizer, sources)
                 self.digests[f"{task}_{length}"] = sha256_text(json.dumps(rows))
                 spec = TASKS[task]
                 for row in rows:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 # The task template and answer prefix of RULER's niah tasks (scripts/data/synthetic/constants.py), joined as
 # RULER's prepare.py joins them for the identity ("base") model template.
 NIAH_TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize "
@@ -208,7 +210,6 @@ class VtGenerator:
     sample; about once in 1,700 one-shot chains, once in a million others), a new name is drawn instead."""
 
     def __init__(self, n_tokens: Callable[[str], int], length: int, seed: int = 42, hops: int = 4):
-        import numpy as np
         self.n_tokens, self.length, self.hops = n_tokens, length, hops
         self.rng, self.np_rng = random.Random(seed), np.random.RandomState(seed)
 
