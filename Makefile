@@ -43,7 +43,8 @@ conformance: setup $(KVPRESS_VENV)/.installed
 # pure-Python wheels, built here, into the git-ignored wheels/ that travels with the checkout.
 gpu-wheels: setup
 	rm -rf wheels && mkdir -p wheels
-	$(PIP) wheel -q --no-deps -w wheels hydra-core==1.3.8 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3
+	$(PIP) wheel -q --no-deps -w wheels hydra-core==1.3.8 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 \
+		hydra-submitit-launcher==1.2.0 submitit==1.5.4
 	du -sh wheels
 
 clean:

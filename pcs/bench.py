@@ -43,9 +43,10 @@ def build_model(name: str, layers: int, device: str, path: str | None = None):
     ``llama31-shape``: random weights with Llama-3.1-8B's layer shapes and ``layers`` layers."""
     if name == "llama31-shape":
         from transformers import AutoModelForCausalLM, LlamaConfig
-        config = LlamaConfig(**LLAMA31_SHAPE, num_hidden_layers=layers, torch_dtype=torch.bfloat16)
+        config = LlamaConfig(**LLAMA31_SHAPE, num_hidden_layers=layers)
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype).to(device).eval()
+        with torch.device(device):   # random init on the device itself: 8B parameters on a CPU core take minutes
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
         return prepare(model)
     overrides = {"model": name, "model.device": device} | ({"model.path": path} if path else {})
     model, _ = load_model(composed(**overrides).model)

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -28,6 +29,10 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 ATTN_IMPLEMENTATION = "pcs"
 ROOM = 256   # entries reserved ahead per head when a layer moves into its buffer (it grows by half when full)
+# Decoding attends over a key length that grows by one every step. cuDNN's attention builds an execution
+# plan per new shape (measured on an H100: about 24 ms of CPU per call, a second per token for 32 layers),
+# so decoding on CUDA uses the kernels that take any length as it comes.
+DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class HeldKeys(NamedTuple):
@@ -276,8 +281,13 @@ def held_attention(module, query, key, value, attention_mask, scaling=None, drop
             mask = mask.view(1, n_kv_heads, 1, -1)
         else:
             mask = mask.expand(n_kv_heads, group, q_len, -1).reshape(1, n_kv_heads, group * q_len, -1)
-    out = F.scaled_dot_product_attention(rows, keys, value, attn_mask=mask, scale=scaling)
-    return out.view(1, n_q_heads, q_len, d).transpose(1, 2).contiguous(), None
+    if rows.is_cuda:
+        with sdpa_kernel(DECODE_BACKENDS):
+            out = F.scaled_dot_product_attention(rows, keys, value, attn_mask=mask, scale=scaling)
+    else:
+        out = F.scaled_dot_product_attention(rows, keys, value, attn_mask=mask, scale=scaling)
+    # reshape, not view: CUDA's kernels may return rows in another memory layout than (H_kv, rows, d).
+    return out.reshape(1, n_q_heads, q_len, d).transpose(1, 2).contiguous(), None
 
 
 def register_attention() -> None:

@@ -7,6 +7,11 @@
 #   make gpu-wheels            # beforehand, where a registry is reachable: wheels/ (git-ignored, < 64 MiB)
 #   bash scripts/gpu_check.sh  # on the GPU machine, in the checkout (wheels/ travels with it)
 #
+# On an H100 the whole check takes longer than some job limits; it can go in parts, each a context:
+#   CONTEXTS=8192 bash scripts/gpu_check.sh                     # the tests, then the bench at 8K
+#   TESTS=0 APPEND=1 CONTEXTS=32768 bash scripts/gpu_check.sh  # adds 32K to the same results file
+#   TESTS=0 APPEND=1 ANALYSIS=0 REPEATS=1 CONTEXTS=131072 bash scripts/gpu_check.sh
+#
 # The machine brings torch (CUDA) and transformers; what else pcs's engine needs (hydra-core, omegaconf,
 # antlr4) is installed from wheels/ into a folder of its own, without touching the machine's packages.
 set -euo pipefail
@@ -14,6 +19,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 SITE=${PCS_GPU_SITE:-/tmp/pcs-gpu-site}
 CONTEXTS=${CONTEXTS:-8192 32768 131072}
+REPEATS=${REPEATS:-3}
 
 if compgen -G "wheels/*.whl" > /dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" wheels/*.whl
@@ -31,14 +37,17 @@ PY
 DEVICE=$("$PY" -c "import torch, re; print(re.sub(r'[^A-Za-z0-9]+', '_', torch.cuda.get_device_name(0)).strip('_'))")
 OUT_FILE=results/bench/gpu_${DEVICE}.jsonl
 
-"$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider
+[ "${TESTS:-1}" = 0 ] || "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider
 
-# shellcheck disable=SC2086
-"$PY" -m pcs.bench --model llama31-shape --layers 32 --contexts $CONTEXTS --device cuda \
-    --methods snapkv pyramidkv adakv streamingllm laprox --selections attention perturbation --budgets 128 1024 \
-    --repeats 3 --decode-tokens 32 --json | tee "$OUT_FILE"
-"$PY" -m pcs.bench --perturbation-analysis --model llama31-shape --layers 32 --contexts 32768 --device cuda \
-    --methods snapkv --selections attention perturbation --budgets 128 1024 --json | tee "${OUT_FILE%.jsonl}_analysis.jsonl"
+[ "${APPEND:-0}" = 1 ] || : > "$OUT_FILE"
+for context in $CONTEXTS; do   # one process per context: each context's rows land as soon as they are measured
+  "$PY" -m pcs.bench --model llama31-shape --layers 32 --contexts "$context" --device cuda \
+      --methods snapkv pyramidkv adakv streamingllm laprox --selections attention perturbation --budgets 128 1024 \
+      --repeats "$REPEATS" --decode-tokens 32 --json | tee -a "$OUT_FILE"
+done
+[ "${ANALYSIS:-1}" = 0 ] || "$PY" -m pcs.bench --perturbation-analysis --model llama31-shape --layers 32 \
+    --contexts 32768 --device cuda --methods snapkv --selections attention perturbation --budgets 128 1024 \
+    --json | tee "${OUT_FILE%.jsonl}_analysis.jsonl"
 
 "$PY" - "$OUT_FILE" "$DEVICE" <<'PY'
 import re, subprocess, sys

@@ -85,10 +85,15 @@ class PerturbationSelection:
                  for b in budgets]
         return [ws.conventions.top(ws.stage1[h], size) for h, size in enumerate(sizes)]
 
-    def select(self, budgets: torch.Tensor, ws: WindowScores, exhaustive: bool = False) -> list[torch.Tensor]:
-        """Stage 1, then stage 2's top entries. By default stage 2 computes exact scores only where an
-        upper bound says they could make the cut (``stage2_topk``); ``exhaustive`` scores every entry
-        (the plain reference; both give the same kept sets)."""
+    def select(self, budgets: torch.Tensor, ws: WindowScores, exhaustive: bool | None = None) -> list[torch.Tensor]:
+        """Stage 1, then stage 2's top entries; both ways below keep the same sets. ``exhaustive`` scores
+        every entry in a few large products, without waiting on the device: the default on accelerators,
+        where those products are cheap. Otherwise (the default on CPU) stage 2 computes exact scores only
+        where an upper bound says they could make the cut (``stage2_topk``), which saves most of the
+        products but reads the bound back after every chunk: on a GPU that waiting costs far more than it
+        saves (8K tokens, H100: 11 s against 0.3 s for the attention selection's whole prefill)."""
+        if exhaustive is None:
+            exhaustive = ws.prefix_values.device.type != "cpu"
         stage2 = self.stage2_scores(ws) if exhaustive else None
         kept = []
         for h, first in enumerate(self.stage1(budgets, ws)):
