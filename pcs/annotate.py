@@ -14,13 +14,12 @@ import logging
 import sys
 from pathlib import Path
 
-from omegaconf import OmegaConf
 
 from .benchmarks.alpacaeval_data import write_model_outputs
 from .benchmarks.alpacaeval_judge import annotate_run
 from .config import group_file
 from .identity import RunIdentity
-from .run_folder import read_rows, write_json_atomic
+from .run_folder import load_config, read_rows, write_json_atomic
 
 DEFAULT_JUDGE = "deepseek-chat"
 
@@ -34,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-key-env", help="environment variable holding the key")
     parser.add_argument("--reference-file", type=Path)
     args = parser.parse_args(argv)
-    cfg = OmegaConf.load(args.run_dir / "config.yaml")
+    cfg = load_config(args.run_dir)
     bench = cfg.benchmark   # config.yaml holds no judging settings: they come from here
     bench.judge = group_file("benchmark/judge", args.judge)
     bench.reference_file = None

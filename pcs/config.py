@@ -27,6 +27,25 @@ class ConfigError(ValueError):
     """A user-fixable config problem."""
 
 
+# Knobs added to an option after runs were saved, each with the value that reproduces what a run saved
+# without it did. A saved config that lacks one reads as if it held that value (``upgraded``), so old runs
+# keep their folder, resume, and pair with new ones.
+ADDED_KNOBS = {("benchmark", "needle"): {"query_aware": True}}
+
+
+def upgraded(saved: DictConfig) -> DictConfig:
+    """A run folder's saved config with the knobs added since (``ADDED_KNOBS``) at their old behaviour, in
+    the order of the option's file (so it saves as a run composed today does)."""
+    for (group, option), knobs in ADDED_KNOBS.items():
+        section = saved.get(group)
+        if section is None or section.get("name") != option or all(k in section for k in knobs):
+            continue
+        values = {**knobs, **OmegaConf.to_container(section)}
+        ordered = {k: values.pop(k) for k in group_file(group, option) if k in values}
+        saved[group] = {**ordered, **values}
+    return saved
+
+
 def compose(overrides=()) -> DictConfig:
     """The run config for command-line style ``overrides``, composed as ``python run.py`` would.
     Inside a running Hydra app (``run.py``), Hydra's own loader composes it."""

@@ -14,10 +14,9 @@ import json
 import sys
 from pathlib import Path
 
-from omegaconf import OmegaConf
 
 from .benchmarks.base import build_benchmark
-from .run_folder import read_rows, write_json_atomic
+from .run_folder import load_config, read_rows, write_json_atomic
 
 
 def run_dirs(path: Path) -> list[Path]:
@@ -30,7 +29,7 @@ def run_dirs(path: Path) -> list[Path]:
 
 def rescore(run_dir: Path, fuzzy_backend: str | None = None) -> tuple[list[dict], dict]:
     """Rows with recomputed ``score`` and the benchmark's metrics for them."""
-    cfg = OmegaConf.load(run_dir / "config.yaml")
+    cfg = load_config(run_dir)
     if fuzzy_backend is not None:
         cfg.benchmark.fuzzy_backend = fuzzy_backend
     benchmark = build_benchmark(cfg)

@@ -9,6 +9,10 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
+from omegaconf import DictConfig, OmegaConf
+
+from .config import upgraded
+
 
 def read_rows(path: Path) -> list[dict]:
     """Finished predictions; a torn last line (the process died mid-write) is dropped."""
@@ -33,13 +37,21 @@ def is_finished(run_dir: Path) -> bool:
     return (run_dir / "metrics.json").exists()
 
 
+def load_config(run_dir: Path) -> DictConfig:
+    """The run folder's saved config, with knobs added since it was saved at its old behaviour."""
+    return upgraded(OmegaConf.load(Path(run_dir) / "config.yaml"))
+
+
 def prepare(run_dir: Path, saved_config: str) -> None:
-    """Create the folder with its config, or check that an existing one holds the same config."""
+    """Create the folder with its config, or check that an existing one holds the same config (a config
+    saved before a knob was added is the same run when it did what the knob's value does: it is rewritten)."""
     config_file = run_dir / "config.yaml"
     if config_file.exists():
         if config_file.read_text() != saved_config:
-            raise RuntimeError(f"{run_dir} holds a run with a different config; "
-                               f"remove it or choose another results_dir")
+            if OmegaConf.to_container(load_config(run_dir)) != OmegaConf.to_container(OmegaConf.create(saved_config)):
+                raise RuntimeError(f"{run_dir} holds a run with a different config; "
+                                   f"remove it or choose another results_dir")
+            config_file.write_text(saved_config)
         return
     run_dir.mkdir(parents=True, exist_ok=True)
     config_file.write_text(saved_config)

@@ -5,6 +5,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from pcs.identity import RunIdentity
+from pcs.run_folder import load_config, prepare
 
 from conftest import compose_cfg
 
@@ -61,8 +62,26 @@ def test_committed_runs_keep_their_folders_and_configs():
     runs = committed_runs()
     assert len(runs) >= 20
     for run_dir in runs:
-        run = RunIdentity(OmegaConf.load(run_dir / "config.yaml"))
+        run = RunIdentity(load_config(run_dir))
         root = run_dir.parents[2]   # <results_dir>/<benchmark>/<model>/<leaf>
         assert run.folder == str(run_dir.relative_to(root))
         assert run.saved_config == (run_dir / "config.yaml").read_text()
         assert run.title == f"{run_dir.parent.name} / {run_dir.name}"
+
+
+def test_a_config_saved_before_a_knob_existed_is_the_same_run(tmp_path):
+    """needle's query_aware came after runs were saved without it: such a folder reads, names, pairs and
+    resumes as the run that compresses the question with the context, and as no other."""
+    committed = RESULTS / "embedded" / "needle" / "smollm2" / "snapkv_perturbation_b128"
+    today = (committed / "config.yaml").read_text()
+    assert "  query_aware: true\n" in today
+    old = tmp_path / "needle" / "smollm2" / "snapkv_perturbation_b128"
+    old.mkdir(parents=True)
+    (old / "config.yaml").write_text(today.replace("  query_aware: true\n", ""))
+    run = RunIdentity(load_config(old))
+    assert run.saved_config == today and run.folder == "needle/smollm2/snapkv_perturbation_b128"
+    assert run.pairing_key == RunIdentity(load_config(committed)).pairing_key
+    with pytest.raises(RuntimeError, match="different config"):
+        prepare(old, today.replace("query_aware: true", "query_aware: false"))
+    prepare(old, today)                                   # resumes: the folder now says what it did
+    assert (old / "config.yaml").read_text() == today

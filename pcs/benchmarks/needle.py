@@ -4,7 +4,8 @@ The haystack is Paul Graham's essays concatenated (repeated if a context needs m
 context length L and depth p the haystack is cut to L tokens minus the needle, the needle goes in at
 p% of the tokens, moved back to the previous sentence end (p = 100 appends it), and the question
 follows the context. Score: ROUGE-1 recall of the needle in the answer (rouge-score, stemmed), x100,
-i.e. the share of the needle's words that the answer contains.
+i.e. the share of the needle's words that the answer contains. With ``query_aware: false`` the
+instruction and question after the context are fed after it is compressed.
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from ..plots.needle import save_heatmap
 from ..provenance import sha256_files, sha256_text
 from .base import Benchmark, Sample
 
-PROMPT = ("{context}\n\n"
-          "Answer the question using only the document above.\nQuestion: {question}")
+QUESTION = "Answer the question using only the document above.\nQuestion: {question}"
+PROMPT = "{context}\n\n" + QUESTION
 
 
 def essay_files(haystack_dir: str | None) -> list[Path]:
@@ -67,9 +68,10 @@ class Needle(Benchmark):
 
     def samples(self, tokenizer) -> list[Sample]:
         haystack = Haystack(tokenizer, essay_files(self.cfg.haystack_dir), self.cfg.needle)
+        question = "" if self.cfg.query_aware else QUESTION.format(question=self.cfg.question)
         return [Sample(id=f"len{length}_depth{depth}",
                        prompt=haystack.prompt(length, depth, self.cfg.question),
-                       max_new_tokens=self.cfg.max_new_tokens,
+                       max_new_tokens=self.cfg.max_new_tokens, question=question,
                        meta={"context_length": length, "depth_percent": depth})
                 for length in self.cfg.context_lengths for depth in self.cfg.depth_percents]
 
@@ -88,7 +90,8 @@ class Needle(Benchmark):
         for row in rows:
             grid.setdefault(str(row["context_length"]), {})[str(row["depth_percent"])] = row["score"]
         scores = [row["score"] for row in rows]
-        return {"score": sum(scores) / len(scores), "scorer": "rouge1_recall", "grid": grid}
+        return {"score": sum(scores) / len(scores), "scorer": "rouge1_recall", "grid": grid,
+                "query_aware": self.cfg.query_aware}
 
 
 def repeat_to(tokens: list[int], n: int) -> list[int]:

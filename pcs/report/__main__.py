@@ -17,9 +17,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from omegaconf import OmegaConf
 
 from ..identity import RunIdentity
+from ..run_folder import load_config
 from ..plots.needle import needle_comparison, needle_heatmap
 from ..plots.savings import savings_plot
 from .collect import collect, paper_tables, run_folders
@@ -39,7 +39,7 @@ def needle_section(results: Path, out: Path) -> list[str]:
     folder = out / "needle"
     folder.mkdir(parents=True, exist_ok=True)
     lines = ["## Needle-in-a-Haystack", ""]
-    identities = {r: RunIdentity(OmegaConf.load(r / "config.yaml")) for r in runs}
+    identities = {r: RunIdentity(load_config(r)) for r in runs}
     for model in sorted({i.cfg.model.name for i in identities.values()}):
         mine = [r for r, i in identities.items() if i.cfg.model.name == model]
         budgets = sorted({identities[r].cfg.budget for r in mine if identities[r].reads_budget})

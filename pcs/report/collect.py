@@ -13,9 +13,9 @@ from importlib import resources
 from pathlib import Path
 
 import pandas as pd
-from omegaconf import OmegaConf
 
 from ..identity import RunIdentity
+from ..run_folder import load_config
 
 COLUMNS = ["table", "benchmark", "model", "method", "selection", "budget", "domain", "score", "run_dir", "variant"]
 
@@ -53,7 +53,7 @@ def expand_full_rows(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def run_rows(run_dir: Path) -> list[dict]:
-    cfg = OmegaConf.load(run_dir / "config.yaml")
+    cfg = load_config(run_dir)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     if metrics.get("score") is None or cfg.benchmark.name == "perturbation":
         return []   # not scored yet (AlpacaEval before judging), or an analysis with its own section
@@ -71,7 +71,7 @@ def run_folders(path: Path, benchmark: str | None = None) -> list[Path]:
     for metrics in sorted(Path(path).rglob("metrics.json")):
         folder = metrics.parent
         if (folder / "config.yaml").exists():
-            if benchmark is None or OmegaConf.load(folder / "config.yaml").benchmark.name == benchmark:
+            if benchmark is None or load_config(folder).benchmark.name == benchmark:
                 found.append(folder)
     return found
 

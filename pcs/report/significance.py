@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from omegaconf import OmegaConf
 
 from ..benchmarks.longbench_data import DOMAINS
 from ..identity import RunIdentity
+from ..run_folder import load_config
 from .savings import equivalent_budget
 
 RESAMPLES, SEED, LEVEL = 10_000, 0, 0.95
@@ -127,7 +127,7 @@ SIGNIFICANCE_COLUMNS = ["model", "benchmark", "variant", "method", "budget", "se
 
 
 def identity(run_dir: Path) -> RunIdentity:
-    return RunIdentity(OmegaConf.load(Path(run_dir) / "config.yaml"))
+    return RunIdentity(load_config(run_dir))
 
 
 def significance(run_dirs: list[Path], baseline: str = "attention", resamples: int = RESAMPLES,
