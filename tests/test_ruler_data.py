@@ -6,8 +6,9 @@ import uuid
 
 import pytest
 
-from pcs.benchmarks.ruler_data import (NIAH, NIAH_NEW_TOKENS, NiahGenerator, normalize_kvpress, normalize_ruler,
-                                       string_match_all, string_match_part)
+from pcs.benchmarks.ruler_data import (NIAH, NIAH_NEW_TOKENS, CweGenerator, FweGenerator, NiahGenerator,
+                                       QaGenerator, cwe_vocabulary, normalize_kvpress, normalize_ruler, read_hotpotqa,
+                                       read_squad, string_match_all, string_match_part)
 
 WORDS = sorted(f"{a}-{n}" for a in ("red", "big", "odd", "shy") for n in ("cat", "sea", "hat", "owl", "fig"))
 count_words = lambda text: len(text.split())     # a whitespace "tokenizer"
@@ -215,3 +216,264 @@ def test_vt_is_rulers_draw_for_draw(length):
     for s in ours:
         assert s["length"] <= length and len(s["outputs"]) == 5
         assert s["input"].count("Question: Find all variables") == 2     # the one-shot example's and its own
+
+
+CWE_WORDS = [f"w{i:03d}" for i in range(400)]
+
+
+def ruler_cwe(max_seq_length, num_samples, n_tokens, words, seed=42):
+    """hsiehjackson/RULER scripts/data/synthetic/common_words_extraction.py (e40fae1): the module's set-up
+    (lines 60-70, the word list given), get_example (72-81), generate_input_output (83-103) and
+    sys_word_pair_random (105-154), with the global ``random`` as there; the template is RULER's cwe template
+    plus its answer prefix; freq_cw 30, freq_ucw 3, num_cw 10, tokens_to_generate 120 (synthetic.yaml)."""
+    random.seed(seed)
+    words = sorted(set(words))
+    random.Random(seed).shuffle(words)
+    template = ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
+                "ones that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above "
+                "list? Answer: The top 10 words that appear most often in the list are:")
+
+    def get_example(num_words, common_repeats=30, uncommon_repeats=3, common_nums=10):
+        word_list_full = random.sample(words, num_words)
+        common, uncommon = word_list_full[:common_nums], word_list_full[common_nums:]
+        word_list = common * int(common_repeats) + uncommon * int(uncommon_repeats)
+        random.Random(seed).shuffle(word_list)
+        return " ".join([f"{i + 1}. {word}" for i, word in enumerate(word_list)]), common
+
+    def generate_input_output(num_words):
+        if max_seq_length < 4096:
+            context_example, answer_example = get_example(20, 3, 1, 10)
+            context, answer = get_example(num_words, 6, 1, 10)
+        else:
+            context_example, answer_example = get_example(40, 10, 3, 10)
+            context, answer = get_example(num_words, 30, 3, 10)
+        input_example = template.format(context=context_example, query="") + " ".join(
+            [f"{i + 1}. {word}" for i, word in enumerate(answer_example)])
+        return input_example + "\n" + template.format(context=context, query=""), answer
+
+    tokens_to_generate, incremental = 120, 10
+    num_words, total_tokens = incremental, 0
+    while total_tokens + tokens_to_generate < max_seq_length:
+        input_text, answer = generate_input_output(num_words)
+        total_tokens = n_tokens(input_text + " " + " ".join([f"{i + 1}. {word}" for i, word in enumerate(answer)]))
+        if total_tokens + tokens_to_generate > max_seq_length:
+            num_words -= incremental
+            break
+        num_words += incremental
+        if num_words > len(words):
+            num_words = len(words)
+            break
+    out = []
+    for index in range(num_samples):
+        used_words = num_words
+        while True:
+            try:
+                input_text, answer = generate_input_output(used_words)
+                length = n_tokens(input_text) + tokens_to_generate
+                assert length <= max_seq_length
+                break
+            except AssertionError:
+                if used_words > incremental:
+                    used_words -= incremental
+        out.append({"index": index, "input": input_text, "outputs": answer, "length": length})
+    return out
+
+
+@pytest.mark.parametrize("length", [1024, 3000, 5000])
+def test_cwe_is_rulers_draw_for_draw(length, tmp_path):
+    for name in ("nounlist.txt", "adjectivelist.txt", "verblist.txt"):   # overlapping lists, as wonderwords'
+        (tmp_path / name).write_text("".join(w + "\n" for w in CWE_WORDS[:300] + CWE_WORDS[250:260]))
+    (tmp_path / "verblist.txt").write_text("".join(w + "\n" for w in CWE_WORDS[200:]))
+    vocabulary = cwe_vocabulary(tmp_path)
+    ours = CweGenerator(count_words, length, vocabulary).samples(6)
+    assert ours == ruler_cwe(length, 6, count_words, CWE_WORDS[:300] + CWE_WORDS[250:260] + CWE_WORDS[200:])
+    for row in ours:
+        assert row["length"] <= length and len(set(row["outputs"])) == 10
+        listed = re.findall(r"\d+\. (\w+)", row["input"].split("\n")[-2])   # the sample's own list
+        counts = {w: listed.count(w) for w in set(listed)}
+        common = 6 if length < 4096 else 30
+        assert {w for w, c in counts.items() if c == common} == set(row["outputs"])
+
+
+def ruler_fwe(max_seq_length, num_samples, n_tokens, seed=42):
+    """hsiehjackson/RULER scripts/data/synthetic/freq_words_extraction.py (e40fae1): the module's seeding
+    (lines 62-63), generate_input_output (68-101) and sys_kwext (103-143) with coded_wordlen 6, vocab_size
+    max_seq_length // 50, alpha 2.0, tokens_to_generate 50, and the global ``random`` as there; the template is
+    RULER's fwe template plus its answer prefix."""
+    import string
+
+    import numpy as np
+    from scipy.special import zeta
+    random.seed(seed)
+    np.random.seed(seed)
+    template = ("Read the following coded text and track the frequency of each coded word. Find the three most "
+                "frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore "
+                "the dots '....'. What are the three most frequently appeared words in the above coded text? Answer: "
+                "According to the coded text above, the three most frequently appeared words are:")
+
+    def generate_input_output(max_len, num_words=-1, coded_wordlen=6, vocab_size=2000, incremental=10, alpha=2.0):
+        vocab = ["".join(random.choices(string.ascii_lowercase, k=coded_wordlen)) for _ in range(vocab_size)]
+        while len(set(vocab)) < vocab_size:
+            vocab.append("".join(random.choices(string.ascii_lowercase, k=coded_wordlen)))
+        vocab = sorted(list(set(vocab)))
+        random.Random(seed).shuffle(vocab)
+        vocab[0] = "..."
+
+        def gen_text(num_words):
+            k = np.arange(1, len(vocab) + 1)
+            sampled_cnt = num_words * (k ** -alpha) / zeta(alpha)
+            sampled_words = [[w] * zi for w, zi in zip(vocab, sampled_cnt.astype(int))]
+            sampled_words = [x for wlst in sampled_words for x in wlst]
+            random.Random(seed).shuffle(sampled_words)
+            return template.format(context=" ".join(sampled_words), query=""), vocab[1:4]
+
+        if num_words > 0:
+            text, answer = gen_text(num_words)
+            while n_tokens(text) > max_len:
+                num_words -= incremental
+                text, answer = gen_text(num_words)
+        else:
+            num_words = max_len // coded_wordlen
+            text, answer = gen_text(num_words)
+            while n_tokens(text) < max_len:
+                num_words += incremental
+                text, answer = gen_text(num_words)
+            num_words -= incremental
+        text, answer = gen_text(num_words)
+        return text, answer, num_words
+
+    vocab_size = max_seq_length // 50
+    _, _, num_example_words = generate_input_output(max_seq_length, vocab_size=vocab_size,
+                                                    incremental=max_seq_length // 32)
+    out = []
+    for index in range(num_samples):
+        input_text, answer, _ = generate_input_output(max_seq_length, num_words=num_example_words,
+                                                      vocab_size=vocab_size, incremental=max_seq_length // 32)
+        out.append({"index": index, "input": input_text, "outputs": answer, "length": n_tokens(input_text) + 50})
+    return out
+
+
+@pytest.mark.parametrize("length", [1024, 3000, 5000])
+def test_fwe_is_rulers_draw_for_draw(length):
+    ours = FweGenerator(count_words, length).samples(5)
+    assert ours == ruler_fwe(length, 5, count_words)
+    for row in ours:
+        assert row["length"] - 50 <= length     # RULER fits the prompt alone
+        coded = row["input"].split("coded words. ")[1].split("\nQuestion")[0].split()
+        counts = sorted(((coded.count(w), w) for w in set(coded) if w != "..."), reverse=True)
+        assert [w for _, w in counts[:3]] == row["outputs"] and counts[2][0] > counts[3][0]
+
+
+def squad_like(n_articles=20, paragraphs=4, questions=3, words=15):
+    """A SQuAD 2.0-shaped dev set: articles of paragraphs, answerable and impossible questions."""
+    data = []
+    for a in range(n_articles):
+        paras = []
+        for p in range(paragraphs):
+            qas = [{"question": f"q{a}.{p}.{q}?", "is_impossible": q == 1,
+                    "answers": [] if q == 1 else [{"text": f"ans{a}{p}{q}"}, {"text": f"alt{a}{p}{q}"}]}
+                   for q in range(questions)]
+            answers = [a["text"] for qa in qas for a in qa["answers"][:1]]    # each paragraph holds its answers
+            paras.append({"context": " ".join([f"word{a}{p}{i}" for i in range(words + 5 * p)] + answers), "qas": qas})
+        data.append({"title": f"t{a}", "paragraphs": paras})
+    return {"data": data}
+
+
+def hotpot_like(n=40, titles=100):
+    """A HotpotQA-shaped distractor set: each question with 4 titled paragraphs of sentences, shared across questions."""
+    return [{"question": f"which {i}?", "answer": f"a{i}",
+             "context": [[f"title{(i * 7 + j) % titles}",
+                          [f"s{(i * 7 + j) % titles}.{k} x y z " for k in range(3 + j % 4)] + [f"a{i} " if j == 0 else ""]]
+                         for j in range(4)]}
+            for i in range(n)]
+
+
+def ruler_qa(dataset, data, max_seq_length, num_samples, n_tokens, seed=42):
+    """hsiehjackson/RULER scripts/data/synthetic/qa.py (e40fae1): the module's seeding (lines 58-59),
+    read_squad (64-85), read_hotpotqa (87-103), generate_input_output (115-138) and generate_samples (141-187)
+    with tokens_to_generate 32 and the global ``random`` as there; the template is RULER's qa template plus its
+    answer prefix."""
+    random.seed(seed)
+    template = ("Answer the question based on the given documents. Only give me the answer and do not output any "
+                "other words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on "
+                "the given documents. Only give me the answer and do not output any other words.\n\nQuestion: "
+                "{query} Answer:")
+    if dataset == "squad":
+        total_docs = sorted(list(set([p["context"] for d in data["data"] for p in d["paragraphs"]])))
+        total_docs_dict = {c: idx for idx, c in enumerate(total_docs)}
+        QAS = []
+        for d in data["data"]:
+            more_docs = [total_docs_dict[p["context"]] for p in d["paragraphs"]]
+            for p in d["paragraphs"]:
+                for qas in p["qas"]:
+                    if not qas["is_impossible"]:
+                        QAS.append({"query": qas["question"], "outputs": [a["text"] for a in qas["answers"]],
+                                    "context": [total_docs_dict[p["context"]]],
+                                    "more_context": [idx for idx in more_docs if idx != total_docs_dict[p["context"]]]})
+    else:
+        total_docs = sorted(list(set([f"{t}\n{''.join(p)}" for d in data for t, p in d["context"]])))
+        total_docs_dict = {c: idx for idx, c in enumerate(total_docs)}
+        QAS = [{"query": d["question"], "outputs": [d["answer"]],
+                "context": [total_docs_dict[f"{t}\n{''.join(p)}"] for t, p in d["context"]]} for d in data]
+    DOCS = total_docs
+
+    def generate_input_output(index, num_docs):
+        curr_q, curr_a = QAS[index]["query"], QAS[index]["outputs"]
+        curr_docs, curr_more = QAS[index]["context"], QAS[index].get("more_context", [])
+        if num_docs < len(DOCS):
+            if (num_docs - len(curr_docs)) > len(curr_more):
+                addition_docs = [i for i, d in enumerate(DOCS) if i not in curr_docs + curr_more]
+                all_docs = curr_docs + curr_more + random.sample(
+                    addition_docs, max(0, num_docs - len(curr_docs) - len(curr_more)))
+            else:
+                all_docs = curr_docs + random.sample(curr_more, num_docs - len(curr_docs))
+            all_docs = [DOCS[idx] for idx in all_docs]
+        else:
+            all_docs = DOCS
+        random.Random(seed).shuffle(all_docs)
+        context = "\n\n".join(["Document {i}:\n{document}".format(i=i + 1, document=d) for i, d in enumerate(all_docs)])
+        return template.format(context=context, query=curr_q), curr_a
+
+    tokens_to_generate, incremental = 32, 10
+    num_docs, total_tokens = incremental, 0
+    while total_tokens + tokens_to_generate < max_seq_length:
+        input_text, answer = generate_input_output(0, num_docs)
+        total_tokens = n_tokens(input_text + f" {answer}")
+        if total_tokens + tokens_to_generate > max_seq_length:
+            num_docs -= incremental
+            break
+        num_docs += incremental
+        if num_docs > len(DOCS):
+            num_docs = len(DOCS)
+            break
+    out = []
+    for index in range(num_samples):
+        used_docs = num_docs
+        while True:
+            try:
+                input_text, answer = generate_input_output(index, used_docs)
+                length = n_tokens(input_text) + tokens_to_generate
+                assert length <= max_seq_length
+                break
+            except AssertionError:
+                if used_docs > incremental:
+                    used_docs -= incremental
+        out.append({"index": index, "input": input_text, "outputs": answer, "length": length})
+    return out
+
+
+@pytest.mark.parametrize("length", [600, 1500, 4000])
+@pytest.mark.parametrize("dataset", ["squad", "hotpotqa"])
+def test_qa_is_rulers_draw_for_draw(dataset, length):
+    """At 4,000 words every document fits, where RULER shuffles its own document list: replayed too."""
+    data = squad_like() if dataset == "squad" else hotpot_like()
+    read = read_squad if dataset == "squad" else read_hotpotqa
+    ours = QaGenerator(count_words, length, read(data)).samples(6)
+    assert ours == ruler_qa(dataset, data, length, 6, count_words)
+    every = ours[0]["input"].count("\nDocument ") == len(read(data).documents)
+    assert every == (length == 4000)
+    for row in ours:
+        assert row["length"] <= length
+        question = read(data).questions[row["index"]]
+        assert all(f"Document {i + 1}:\n" in row["input"] for i in range(len(question["context"])))
+        assert row["input"].endswith(f"Question: {question['query']} Answer:") and row["outputs"] == question["outputs"]

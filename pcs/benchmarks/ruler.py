@@ -6,13 +6,16 @@ then the answer prefix after the assistant header. ``query_aware: true`` (the pa
 compresses the whole prompt; ``false`` (kvpress's leaderboard) compresses the context and feeds the question
 and the answer prefix on the compressed cache. Generated samples are cached on disk under a key of everything
 they depend on (task, length, count, seed, tokenizer vocabulary, essays, word lists); the samples' digest is
-in the run's provenance. The generators and the scoring are in ``ruler_data``.
+in the run's provenance. The generators and the scoring are in ``ruler_data``. qa_1 and qa_2 read SQuAD 2.0 and
+HotpotQA from ``benchmark.qa_dir``, fetched from where RULER fetches them when absent; offline, a missing file
+is an error before the model loads.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import re
+import urllib.request
 from functools import cached_property
 from pathlib import Path
 
@@ -20,8 +23,9 @@ from ..paths import default_cache_dir, package_dir
 from ..provenance import sha256_files, sha256_text
 from .base import Benchmark, Sample
 from .needle import essay_files
-from .ruler_data import (NIAH, TASKS, essay_words, generate, needle_words, normalize_kvpress, normalize_ruler,
-                         string_match_all, string_match_part)
+from .ruler_data import (NIAH, QA_SOURCES, TASKS, cwe_vocabulary, essay_words, generate, needle_words,
+                         normalize_kvpress, normalize_ruler, read_hotpotqa, read_squad, string_match_all,
+                         string_match_part)
 
 GENERATOR_VERSION = 1     # bump when a generator changes what it draws: cached samples are then made anew
 NORMALIZE = {"ruler": normalize_ruler, "kvpress": normalize_kvpress}
@@ -34,6 +38,30 @@ def word_lists() -> Path:
     return package_dir("wonderwords") / "assets"
 
 
+WORD_LISTS = ("adjectivelist.txt", "nounlist.txt", "verblist.txt")
+QA_READERS = {"qa_1": read_squad, "qa_2": read_hotpotqa}
+
+
+def qa_file(task: str, qa_dir: str | None) -> Path:
+    """Where qa_1's SQuAD or qa_2's HotpotQA file is read from; fetched from RULER's source when absent."""
+    name, url = QA_SOURCES[task]
+    path = Path(qa_dir or default_cache_dir() / "ruler" / "qa") / name
+    if path.exists():
+        return path
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response:
+            body = response.read()
+    except OSError as err:
+        raise FileNotFoundError(
+            f"benchmark.tasks has {task}, which needs {path} (RULER's copy of {url}), and it could not be "
+            f"fetched ({err}). Download it where the internet is reachable (wget {url} -O {name}), put it in "
+            f"benchmark.qa_dir (now {str(path.parent)!r}), or leave {task} out of benchmark.tasks") from None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".tmp").write_bytes(body)
+    path.with_suffix(".tmp").replace(path)
+    return path
+
+
 class Ruler(Benchmark):
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -42,7 +70,7 @@ class Ruler(Benchmark):
     def check(self) -> None:
         unknown = [t for t in self.cfg.tasks if t not in TASKS]
         if unknown:
-            raise ValueError(f"benchmark.tasks: {unknown} are not generated yet; available: {', '.join(TASKS)}")
+            raise ValueError(f"benchmark.tasks: {unknown} are not RULER tasks; choose from: {', '.join(TASKS)}")
         if self.cfg.normalize not in NORMALIZE:
             raise ValueError(f"benchmark.normalize={self.cfg.normalize!r}: choose ruler or kvpress")
         short = [n for n in self.cfg.lengths if n < 512]
@@ -50,6 +78,9 @@ class Ruler(Benchmark):
             raise ValueError(f"benchmark.lengths {short}: RULER's prompts need at least 512 tokens")
         word_lists()
         essay_files(self.cfg.haystack_dir)
+        for task in self.cfg.tasks:
+            if task in QA_SOURCES:
+                qa_file(task, self.cfg.qa_dir)
 
     @cached_property
     def words(self) -> list[str]:
@@ -59,14 +90,24 @@ class Ruler(Benchmark):
     def essay(self) -> list[str]:
         return essay_words(essay_files(self.cfg.haystack_dir))
 
+    @cached_property
+    def vocabulary(self) -> list[str]:
+        return cwe_vocabulary(word_lists(), self.cfg.seed)
+
+    def qa(self, task: str):
+        return QA_READERS[task](json.loads(qa_file(task, self.cfg.qa_dir).read_text()))
+
     def sources_digest(self, tokenizer) -> str:
-        """What every task's samples depend on besides the task and length: tokenizer vocabulary, essays, words."""
+        """What every task's samples depend on besides the task and length: tokenizer vocabulary, essays, words
+        (a qa task adds its dataset's digest in ``generated``)."""
         vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
         return sha256_text(json.dumps([sha256_text(vocab), sha256_files(essay_files(self.cfg.haystack_dir)),
-                                       sha256_files([word_lists() / "adjectivelist.txt", word_lists() / "nounlist.txt"])]))
+                                       sha256_files([word_lists() / name for name in WORD_LISTS])]))
 
     def generated(self, task: str, length: int, tokenizer, sources: str) -> list[dict]:
         """RULER's samples of one task and length, from the cache or generated (then cached)."""
+        if task in QA_SOURCES:
+            sources = sha256_text(sources + sha256_files([qa_file(task, self.cfg.qa_dir)]))
         key = [GENERATOR_VERSION, task, length, self.cfg.n_samples, self.cfg.seed, sources]
         folder = Path(self.cfg.cache_dir or default_cache_dir() / "ruler")
         path = folder / f"{task}_{length}_{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:20]}.jsonl"
@@ -74,7 +115,8 @@ class Ruler(Benchmark):
             return [json.loads(line) for line in path.read_text().splitlines()]
         count = lambda text: len(tokenizer.tokenize(text))
         rows = generate(task, count, length, self.cfg.n_samples, self.cfg.seed, self.words,
-                        self.essay if TASKS[task].essay else None)
+                        self.essay if TASKS[task].essay else None, self.vocabulary if task == "cwe" else None,
+                        self.qa(task) if task in QA_SOURCES else None)
         folder.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import random
 import re
+import string
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
+from scipy.special import zeta
 
 # The task template and answer prefix of RULER's niah tasks (scripts/data/synthetic/constants.py), joined as
 # RULER's prepare.py joins them for the identity ("base") model template.
@@ -273,6 +275,253 @@ class VtGenerator:
         return self.fitted(self.length, 10, count, shot["input"] + " " + " ".join(shot["outputs"]) + "\n\n")
 
 
+# Common words extraction (RULER's scripts/data/synthetic/common_words_extraction.py): ten words repeated
+# more often than the rest in a numbered list, with a one-shot example of the same kind prepended.
+CWE_TEMPLATE = ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
+                "ones that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?")
+CWE_PREFIX = " Answer: The top 10 words that appear most often in the list are:"
+CWE_NEW_TOKENS = 120
+
+
+def cwe_vocabulary(word_lists: Path, seed: int = 42) -> list[str]:
+    """wonderwords' nouns, adjectives and verbs, deduplicated, sorted, then shuffled once with ``Random(seed)``."""
+    read = lambda name: [w.rstrip() for w in (word_lists / name).read_text().splitlines(keepends=True)]
+    words = sorted(set(read("nounlist.txt") + read("adjectivelist.txt") + read("verblist.txt")))
+    random.Random(seed).shuffle(words)
+    return words
+
+
+def numbered(words: list[str]) -> str:
+    return " ".join(f"{i + 1}. {word}" for i, word in enumerate(words))
+
+
+class CweGenerator:
+    """Samples of cwe at ``length`` tokens, RULER's draws in RULER's order (one ``random.Random(seed)`` for the
+    script's seeded global ``random``, a fresh ``Random(seed)`` for each list's shuffle). Below 4,096 tokens the
+    common words occur 6 times and the others once (the example: 20 words, 3 and 1), else 30 and 3 (40 words,
+    10 and 3), as there."""
+
+    def __init__(self, n_tokens: Callable[[str], int], length: int, vocabulary: list[str], seed: int = 42,
+                 n_common: int = 10):
+        self.n_tokens, self.length, self.words, self.seed = n_tokens, length, vocabulary, seed
+        self.n_common, self.rng = n_common, random.Random(seed)
+
+    def example(self, n_words: int, common_repeats: int, other_repeats: int) -> tuple[str, list[str]]:
+        drawn = self.rng.sample(self.words, n_words)
+        common, other = drawn[:self.n_common], drawn[self.n_common:]
+        listed = common * common_repeats + other * other_repeats
+        random.Random(self.seed).shuffle(listed)
+        return numbered(listed), common
+
+    def build(self, n_words: int) -> tuple[str, list[str]]:
+        if self.length < 4096:
+            shot, shot_answer = self.example(20, 3, 1)
+            context, answer = self.example(n_words, 6, 1)
+        else:
+            shot, shot_answer = self.example(40, 10, 3)
+            context, answer = self.example(n_words, 30, 3)
+        template = CWE_TEMPLATE + CWE_PREFIX
+        one_shot = template.format(context=shot) + numbered(shot_answer)
+        return one_shot + "\n" + template.format(context=context), answer
+
+    def samples(self, count: int, step: int = 10) -> list[dict]:
+        """The word-count search (answers counted), then ``count`` samples, each backing off by ``step`` words
+        until its prompt and the new tokens fit."""
+        n, total = step, 0
+        while total + CWE_NEW_TOKENS < self.length:
+            prompt, answer = self.build(n)
+            total = self.n_tokens(prompt + " " + numbered(answer))
+            if total + CWE_NEW_TOKENS > self.length:
+                n -= step
+                break
+            n += step
+            if n > len(self.words):
+                n = len(self.words)
+                break
+        out = []
+        for index in range(count):
+            used = n
+            while True:
+                prompt, answer = self.build(used)
+                tokens = self.n_tokens(prompt) + CWE_NEW_TOKENS
+                if tokens <= self.length:
+                    break
+                if used <= step:
+                    raise ValueError(f"a cwe prompt does not fit in {self.length} tokens")
+                used -= step
+            out.append({"index": index, "input": prompt, "outputs": answer, "length": tokens})
+        return out
+
+
+# Frequent words extraction (RULER's scripts/data/synthetic/freq_words_extraction.py): coded words drawn with
+# Zipf frequencies (alpha 2), the most frequent one replaced by dots; the answer is ranks 2 to 4.
+FWE_TEMPLATE = ("Read the following coded text and track the frequency of each coded word. Find the three most "
+                "frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore "
+                "the dots '....'. What are the three most frequently appeared words in the above coded text?")
+FWE_PREFIX = " Answer: According to the coded text above, the three most frequently appeared words are:"
+FWE_NEW_TOKENS = 50
+
+
+class FweGenerator:
+    """Samples of fwe at ``length`` tokens, RULER's draws in RULER's order. As in RULER, the search fits the
+    prompt alone in ``length`` (nothing is reserved for the answer's 50 tokens; ``length`` in a row is the
+    prompt plus 50), the vocabulary has ``length // 50`` words of 6 letters, and a sample draws a new one."""
+
+    def __init__(self, n_tokens: Callable[[str], int], length: int, seed: int = 42, alpha: float = 2.0,
+                 word_length: int = 6):
+        self.n_tokens, self.length, self.seed, self.alpha = n_tokens, length, seed, alpha
+        self.word_length, self.vocabulary_size = word_length, length // 50
+        self.rng = random.Random(seed)
+
+    def vocabulary(self) -> list[str]:
+        draw = lambda: "".join(self.rng.choices(string.ascii_lowercase, k=self.word_length))
+        words = [draw() for _ in range(self.vocabulary_size)]
+        while len(set(words)) < self.vocabulary_size:
+            words.append(draw())
+        words = sorted(set(words))
+        random.Random(self.seed).shuffle(words)
+        words[0] = "..."   # the most frequent word is noise
+        return words
+
+    def text(self, words: list[str], n_words: int) -> tuple[str, list[str]]:
+        ranks = np.arange(1, len(words) + 1)
+        counts = (n_words * (ranks ** -self.alpha) / zeta(self.alpha)).astype(int)
+        drawn = [w for w, c in zip(words, counts) for _ in range(c)]
+        random.Random(self.seed).shuffle(drawn)
+        return (FWE_TEMPLATE + FWE_PREFIX).format(context=" ".join(drawn)), words[1:4]
+
+    def fitted(self, n_words: int | None) -> tuple[str, list[str], int]:
+        """RULER's ``generate_input_output``: grow from ``length // 6`` words (``n_words`` None) or shrink from
+        ``n_words`` by ``length // 32`` until the prompt fits."""
+        step, words = self.length // 32, self.vocabulary()
+        if n_words is not None:
+            text, answer = self.text(words, n_words)
+            while self.n_tokens(text) > self.length:
+                n_words -= step
+                text, answer = self.text(words, n_words)
+        else:
+            n_words = self.length // self.word_length
+            text, answer = self.text(words, n_words)
+            while self.n_tokens(text) < self.length:
+                n_words += step
+                text, answer = self.text(words, n_words)
+            n_words -= step
+        text, answer = self.text(words, n_words)
+        return text, answer, n_words
+
+    def samples(self, count: int) -> list[dict]:
+        n_words = self.fitted(None)[2]
+        out = []
+        for index in range(count):
+            text, answer, _ = self.fitted(n_words)
+            out.append({"index": index, "input": text, "outputs": answer,
+                        "length": self.n_tokens(text) + FWE_NEW_TOKENS})
+        return out
+
+
+# Question answering (RULER's scripts/data/synthetic/qa.py): a question over its gold documents among
+# others, from SQuAD 2.0's dev set (qa_1) or HotpotQA's distractor dev set (qa_2), as RULER downloads them.
+QA_TEMPLATE = ("Answer the question based on the given documents. Only give me the answer and do not output any other "
+               "words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given "
+               "documents. Only give me the answer and do not output any other words.\n\nQuestion: {query}")
+QA_PREFIX = " Answer:"
+QA_NEW_TOKENS = 32
+QA_SOURCES = {   # task: (file name in benchmark.qa_dir, where RULER's download script fetches it)
+    "qa_1": ("squad.json", "https://rajpurkar.github.io/SQuAD-explorer/dataset/dev-v2.0.json"),
+    "qa_2": ("hotpotqa.json", "http://curtis.ml.cmu.edu/datasets/hotpot/hotpot_dev_distractor_v1.json"),
+}
+
+
+@dataclass
+class QaData:
+    """Questions (``query``, ``outputs``, gold ``context`` and the article's ``more_context`` as document
+    indices) and the sorted unique documents, read as RULER reads them."""
+    questions: list[dict]
+    documents: list[str]
+
+
+def read_squad(data: dict) -> QaData:
+    documents = sorted({p["context"] for d in data["data"] for p in d["paragraphs"]})
+    index = {c: i for i, c in enumerate(documents)}
+    questions = []
+    for article in data["data"]:
+        article_docs = [index[p["context"]] for p in article["paragraphs"]]
+        for p in article["paragraphs"]:
+            for qa in p["qas"]:
+                if not qa["is_impossible"]:
+                    questions.append({"query": qa["question"], "outputs": [a["text"] for a in qa["answers"]],
+                                      "context": [index[p["context"]]],
+                                      "more_context": [i for i in article_docs if i != index[p["context"]]]})
+    return QaData(questions, documents)
+
+
+def read_hotpotqa(data: list) -> QaData:
+    documents = sorted({f"{title}\n{''.join(sentences)}" for d in data for title, sentences in d["context"]})
+    index = {c: i for i, c in enumerate(documents)}
+    questions = [{"query": d["question"], "outputs": [d["answer"]],
+                  "context": [index[f"{title}\n{''.join(sentences)}"] for title, sentences in d["context"]]}
+                 for d in data]
+    return QaData(questions, documents)
+
+
+class QaGenerator:
+    """Samples of qa_1 / qa_2 at ``length`` tokens, RULER's draws in RULER's order: sample i asks question i
+    (the search asks question 0), its gold documents first, then the article's others, then random ones,
+    shuffled with a fresh ``Random(seed)``. Where every document fits, RULER shuffles its document list itself
+    (not a copy), so later samples see it in that order: kept, to stay draw for draw."""
+
+    def __init__(self, n_tokens: Callable[[str], int], length: int, data: QaData, seed: int = 42):
+        self.n_tokens, self.length, self.seed = n_tokens, length, seed
+        self.questions, self.documents = data.questions, list(data.documents)
+        self.rng = random.Random(seed)
+
+    def build(self, index: int, n_docs: int) -> tuple[str, list[str]]:
+        question = self.questions[index]
+        gold, more = question["context"], question.get("more_context", [])
+        if n_docs < len(self.documents):
+            if n_docs - len(gold) > len(more):
+                others = [i for i in range(len(self.documents)) if i not in gold + more]
+                chosen = gold + more + self.rng.sample(others, max(0, n_docs - len(gold) - len(more)))
+            else:
+                chosen = gold + self.rng.sample(more, n_docs - len(gold))
+            docs = [self.documents[i] for i in chosen]
+        else:
+            docs = self.documents
+        random.Random(self.seed).shuffle(docs)
+        context = "\n\n".join(f"Document {i + 1}:\n{d}" for i, d in enumerate(docs))
+        return (QA_TEMPLATE + QA_PREFIX).format(context=context, query=question["query"]), question["outputs"]
+
+    def samples(self, count: int, step: int = 10) -> list[dict]:
+        if count > len(self.questions):
+            raise ValueError(f"{count} samples asked, the dataset has {len(self.questions)} questions")
+        n, total = step, 0
+        while total + QA_NEW_TOKENS < self.length:
+            prompt, answer = self.build(0, n)
+            total = self.n_tokens(prompt + f" {answer}")
+            if total + QA_NEW_TOKENS > self.length:
+                n -= step
+                break
+            n += step
+            if n > len(self.documents):
+                n = len(self.documents)
+                break
+        if n == 0:
+            raise ValueError(f"{step} documents of {len(self.documents)} do not fit in {self.length} tokens")
+        out = []
+        for index in range(count):
+            used = n
+            while True:
+                prompt, answer = self.build(index, used)
+                tokens = self.n_tokens(prompt) + QA_NEW_TOKENS
+                if tokens <= self.length:
+                    break
+                if used <= step:
+                    raise ValueError(f"a qa prompt does not fit in {self.length} tokens")
+                used -= step
+            out.append({"index": index, "input": prompt, "outputs": answer, "length": tokens})
+        return out
+
+
 @dataclass(frozen=True)
 class TaskSpec:
     """What the benchmark needs to know of a generated task beyond its samples."""
@@ -285,13 +534,24 @@ class TaskSpec:
 TASKS = {**{name: TaskSpec(NIAH_NEW_TOKENS, " The special magic", r"What (?:is|are all) the special magic",
                            task.haystack == "essay") for name, task in NIAH.items()},
          "vt": TaskSpec(VT_NEW_TOKENS, " Answer: According to the chain",
-                        r"Question: Find all variables that are assigned the value")}
+                        r"Question: Find all variables that are assigned the value"),
+         "cwe": TaskSpec(CWE_NEW_TOKENS, CWE_PREFIX, r"Question: What are the 10 most common words in the above list\?"),
+         "fwe": TaskSpec(FWE_NEW_TOKENS, FWE_PREFIX, r"Question: Do not provide any explanation\."),
+         **{name: TaskSpec(QA_NEW_TOKENS, QA_PREFIX, r"Answer the question based on the given documents\.")
+            for name in QA_SOURCES}}
 
 
 def generate(task: str, n_tokens: Callable[[str], int], length: int, count: int, seed: int, words: list[str],
-             essay: list[str] | None) -> list[dict]:
+             essay: list[str] | None, vocabulary: list[str] | None = None, qa: QaData | None = None) -> list[dict]:
     """``count`` samples of ``task`` at ``length`` tokens: ``input`` (RULER's, answer prefix included),
-    ``outputs``, ``length`` (RULER's token count)."""
+    ``outputs``, ``length`` (RULER's token count). ``words``: the needles' keys; ``essay``: the essay
+    haystack's words (essay tasks); ``vocabulary``: cwe's words; ``qa``: the task's questions and documents."""
+    if task in QA_SOURCES:
+        return QaGenerator(n_tokens, length, qa, seed).samples(count)
     if task == "vt":
         return VtGenerator(n_tokens, length, seed).samples(count)
+    if task == "cwe":
+        return CweGenerator(n_tokens, length, vocabulary, seed).samples(count)
+    if task == "fwe":
+        return FweGenerator(n_tokens, length, seed).samples(count)
     return NiahGenerator(NIAH[task], n_tokens, length, words, essay, seed).samples(count)
