@@ -121,3 +121,47 @@ def test_collect_reads_the_tidy_csv():
 def paper_tables_path():
     from importlib import resources
     return resources.files("pcs") / "data" / "paper_longbench_tables.csv"
+
+
+def test_ruler_tables_by_group_and_length_with_stars_and_a_length_plot(tmp_path):
+    """Three runs of one RULER setting (full, attention, perturbation at one budget) at two lengths: the table's
+    rows are each group and the mean per length, worked out by hand here; a difference that every sample shows
+    gets its star; the score-vs-length figure is drawn."""
+    from pcs.benchmarks.base import build_benchmark
+    from pcs.report.significance import significance
+    root = tmp_path / "results"
+    common = ["benchmark=ruler", "benchmark.tasks=[niah_single_1,vt,cwe]", "benchmark.lengths=[1024,2048]",
+              "benchmark.n_samples=20"]
+    # per (task, length): the number of 20 samples answered right (100) by each run, the rest 0
+    right = {"full": {1024: (20, 20, 20), 2048: (20, 18, 16)},
+             "attention": {1024: (10, 4, 20), 2048: (0, 0, 10)},
+             "perturbation": {1024: (14, 4, 20), 2048: (20, 10, 10)}}
+    runs = {}
+    for name, counts in right.items():
+        overrides = ["method=full"] if name == "full" else ["method=snapkv", f"selection={name}", "budget=64"]
+        cfg = compose_cfg(*common, *overrides)
+        rows = [{"id": f"{task}_{length}_{i}", "task": task, "length": length, "stratum": f"{task}_{length}",
+                 "score": 100.0 if i < n else 0.0}
+                for length, per_task in counts.items() for task, n in zip(["niah_single_1", "vt", "cwe"], per_task)
+                for i in range(20)]
+        folder = write_run(root, *common, *overrides, metrics=build_benchmark(cfg).metrics(rows))
+        (folder / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs[name] = folder
+    out = tmp_path / "report"
+    build(root, out, resamples=2000)
+    table = (out / "tables" / "ruler_snapkv_lengths=1024+2048_n_samples=20_tasks=niah_single_1+vt+cwe.md").read_text()
+    lines = [line for line in table.splitlines() if line.startswith("| ") and "Domain" not in line]
+    assert [line.split(" | ")[0][2:] for line in lines] == [
+        "retrieval_1024", "multi_hop_tracing_1024", "aggregation_1024", "mean_1024",
+        "retrieval_2048", "multi_hop_tracing_2048", "aggregation_2048", "mean_2048", "Average"]
+    # retrieval 2048: niah_single_1 20/20, 0/20, 20/20; mean 2048: (100+90+80)/3, (0+0+50)/3, (100+50+50)/3
+    assert lines[4] == "| retrieval_2048 | 100.00 | 0.00 | **100.00**\\* |"
+    assert lines[7] == "| mean_2048 | 90.00 | 16.67 | **66.67**\\* |"
+    assert lines[1] == "| multi_hop_tracing_1024 | 100.00 | **20.00** | **20.00** |"     # equal: no star
+    tested = significance([runs["attention"], runs["perturbation"]], resamples=2000).set_index("domain")
+    assert tested.loc["mean_2048", "delta"] == pytest.approx(50.0)
+    assert tested.loc["mean_1024", "delta"] == pytest.approx(20 / 3)
+    assert tested.loc["average", "delta"] == pytest.approx((20 / 3 + 50) / 2)
+    assert tested.loc["multi_hop_tracing_1024", "delta"] == 0.0
+    assert (out / "ruler" / "smollm2_lengths=1024+2048_n_samples=20_tasks=niah_single_1+vt+cwe.png").read_bytes()[:8] == PNG
+    assert "## RULER" in (out / "report.md").read_text()

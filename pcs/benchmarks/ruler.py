@@ -23,14 +23,12 @@ from ..paths import default_cache_dir, package_dir
 from ..provenance import sha256_files, sha256_text
 from .base import Benchmark, Sample
 from .needle import essay_files
-from .ruler_data import (NIAH, QA_SOURCES, TASKS, cwe_vocabulary, essay_words, generate, needle_words,
-                         normalize_kvpress, normalize_ruler, read_hotpotqa, read_squad, string_match_all,
+from .ruler_data import (GROUPS, QA_SOURCES, TASKS, cwe_vocabulary, domain_name, essay_words, generate,
+                         needle_words, normalize_kvpress, normalize_ruler, read_hotpotqa, read_squad, string_match_all,
                          string_match_part)
 
 GENERATOR_VERSION = 1     # bump when a generator changes what it draws: cached samples are then made anew
 NORMALIZE = {"ruler": normalize_ruler, "kvpress": normalize_kvpress}
-# RULER's task groups (the README's categories).
-GROUPS = {"retrieval": sorted(NIAH), "multi_hop_tracing": ["vt"], "aggregation": ["cwe", "fwe"], "qa": ["qa_1", "qa_2"]}
 
 
 def word_lists() -> Path:
@@ -137,8 +135,8 @@ class Ruler(Benchmark):
                     question = "" if self.cfg.query_aware else user[list(re.finditer(spec.question, user))[-1].start():]
                     out.append(Sample(id=f"{task}_{length}_{row['index']}", prompt=user, answer_prefix=prefix,
                                       question=question, max_new_tokens=spec.new_tokens,
-                                      meta={"task": task, "length": length, "outputs": row["outputs"],
-                                            "ruler_tokens": row["length"]}))
+                                      meta={"task": task, "length": length, "stratum": f"{task}_{length}",
+                                            "outputs": row["outputs"], "ruler_tokens": row["length"]}))
         return out
 
     def data_hashes(self) -> dict:
@@ -150,7 +148,8 @@ class Ruler(Benchmark):
 
     def metrics(self, rows: list[dict]) -> dict:
         """Per length: each task's score (RULER's, rounded to 2 places), each group's mean and the mean over tasks;
-        ``score``: the mean over lengths of the mean over tasks."""
+        ``score``: the mean over lengths of the mean over tasks; ``domains``: the groups' and means' scores named
+        ``<group>_<length>`` for the report's tables."""
         by_length: dict[str, dict] = {}
         for length in sorted({r["length"] for r in rows}):
             tasks = {}
@@ -161,5 +160,8 @@ class Ruler(Benchmark):
             groups = {g: sum(tasks[t] for t in members if t in tasks) / sum(t in tasks for t in members)
                       for g, members in GROUPS.items() if any(t in tasks for t in members)}
             by_length[str(length)] = {"tasks": tasks, "groups": groups, "mean": sum(tasks.values()) / len(tasks)}
+        domains = {domain_name(name, length): value for length, m in by_length.items()
+                   for name, value in [*m["groups"].items(), ("mean", m["mean"])]}
         return {"score": sum(v["mean"] for v in by_length.values()) / len(by_length), "scorer": "string_match",
-                "lengths": by_length, "query_aware": self.cfg.query_aware, "normalize": self.cfg.normalize}
+                "lengths": by_length, "domains": domains, "query_aware": self.cfg.query_aware,
+                "normalize": self.cfg.normalize}

@@ -522,6 +522,16 @@ class QaGenerator:
         return out
 
 
+# RULER's task groups (its README's categories), and how a group's score at one length is named in metrics.json's
+# ``domains`` and in the report.
+GROUPS = {"retrieval": sorted(NIAH), "multi_hop_tracing": ["vt"], "aggregation": ["cwe", "fwe"], "qa": ["qa_1", "qa_2"]}
+
+
+def domain_name(group: str, length) -> str:
+    """``retrieval_2048``; ``mean_2048`` for the mean over tasks."""
+    return f"{group}_{length}"
+
+
 @dataclass(frozen=True)
 class TaskSpec:
     """What the benchmark needs to know of a generated task beyond its samples."""

@@ -21,6 +21,7 @@ from pathlib import Path
 from ..identity import RunIdentity
 from ..run_folder import load_config
 from ..plots.needle import needle_comparison, needle_heatmap
+from ..plots.ruler import score_by_length
 from ..plots.savings import savings_plot
 from .collect import collect, paper_tables, run_folders
 from .savings import savings
@@ -51,6 +52,24 @@ def needle_section(results: Path, out: Path) -> list[str]:
         needle_heatmap(run_dir, folder / f"{leaf(run_dir)}.png")
     lines += ["Per run: " + ", ".join(f"[{leaf(r)}](needle/{leaf(r)}.png)" for r in runs), ""]
     return lines
+
+
+def ruler_section(results: Path, out: Path) -> list[str]:
+    """Score against length per method and selection, one figure per model and setting (the tables by task
+    group and length are among the tables)."""
+    runs = run_folders(results, "ruler")
+    settings: dict[tuple[str, str], list[Path]] = {}
+    for run_dir in runs:
+        run = RunIdentity(load_config(run_dir))
+        settings.setdefault((run.cfg.model.name, run.setting), []).append(run_dir)
+    lines = []
+    for (model, setting), members in sorted(settings.items()):
+        name = "_".join(filter(None, [model, setting]))
+        figure = score_by_length(members, out / "ruler" / f"{name}.png", f"RULER, {model} {setting}".strip())
+        if figure is not None:
+            lines += [f"![RULER {name}](ruler/{figure.name})", ""]
+    return ["## RULER", "", "Mean over tasks against context length (tables by task group and length: "
+            "`ruler_*` above)."] + [""] + lines if lines else []
 
 
 def perturbation_section(results: Path, out: Path) -> list[str]:
@@ -140,7 +159,7 @@ def build(results: Path, out: Path, with_paper: bool = False, resamples: int = R
             lines += [comparisons[name] for name in sorted(comparisons)]
         lines += tested_lines + savings_section(df, out, results.is_dir(), resamples, seed)
     if results.is_dir():
-        lines += needle_section(results, out) + perturbation_section(results, out)
+        lines += needle_section(results, out) + ruler_section(results, out) + perturbation_section(results, out)
     if len(lines) == 2:
         raise FileNotFoundError(f"nothing to report under {results}")
     index = out / "report.md"

@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from ..benchmarks.longbench_data import DOMAINS
+from ..benchmarks.ruler_data import GROUPS, domain_name
 from ..identity import RunIdentity
 from ..run_folder import load_config
 from .savings import equivalent_budget
@@ -81,13 +82,16 @@ def paired_bootstrap(differences, strata: list[np.ndarray] | None = None, resamp
 
 
 def run_scores(run_dir: Path) -> pd.DataFrame:
-    """A finished run's per-sample scores: columns ``id``, ``score`` and ``stratum`` (LongBench's task)."""
+    """A finished run's per-sample scores: columns ``id``, ``score``, ``stratum`` (LongBench's task, RULER's task
+    and length), ``task`` and ``length``."""
     path = Path(run_dir) / "predictions.jsonl"
     if not path.exists():
         raise ValueError(f"{run_dir}: no predictions.jsonl")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+    # A benchmark whose score averages finer cells than tasks (RULER: task x length) names them in ``stratum``.
     frame = pd.DataFrame({"id": [r["id"] for r in rows], "score": [r.get("score") for r in rows],
-                          "stratum": [r.get("task", "") for r in rows]})
+                          "stratum": [r.get("stratum", r.get("task", "")) for r in rows],
+                          "task": [r.get("task", "") for r in rows], "length": [r.get("length") for r in rows]})
     if frame["score"].isna().any():
         raise ValueError(f"{run_dir}: some samples have no score (AlpacaEval is judged over the whole set)")
     return frame
@@ -100,26 +104,45 @@ def paired(runs: list[pd.DataFrame]) -> pd.DataFrame:
     if any(i != ids[0] for i in ids[1:]) or any(r["id"].duplicated().any() for r in runs):
         differ = len(set.union(*ids) - set.intersection(*ids))
         raise UnpairedError(f"the runs do not score the same samples ({differ} ids are not in all of them)")
-    order = runs[0][["id", "stratum"]]
+    order = runs[0][["id", "stratum", "task", "length"]]
     columns = {i: r.set_index("id").loc[order["id"], "score"].to_numpy(dtype=float) for i, r in enumerate(runs)}
-    return pd.DataFrame({"id": order["id"].to_numpy(), "stratum": order["stratum"].to_numpy(), **columns})
+    return pd.DataFrame({key: order[key].to_numpy() for key in order} | columns)
 
 
-def strata_of(table: pd.DataFrame, tasks: list[str] | None = None) -> list[np.ndarray]:
-    """Row indices per stratum (LongBench task), optionally only of ``tasks``."""
-    groups = table.groupby("stratum", sort=True).indices
-    return [np.asarray(rows) for task, rows in groups.items() if tasks is None or task in tasks]
+def strata_of(table: pd.DataFrame, tasks: list[str] | None = None, length=None) -> list[np.ndarray]:
+    """Row indices per stratum, optionally only of ``tasks`` and of one ``length`` (RULER's)."""
+    keep = table["task"].isin(tasks) if tasks is not None else pd.Series(True, index=table.index)
+    if length is not None:
+        keep &= table["length"] == length
+    groups = table[keep].groupby("stratum", sort=True).indices
+    rows = table.index[keep].to_numpy()
+    return [rows[np.asarray(members)] for members in groups.values()]
 
 
-def domains_of(table: pd.DataFrame) -> dict[str, list[np.ndarray]]:
-    """``average`` over every stratum, plus LongBench's domains present in the run."""
-    out = {"average": strata_of(table)}
-    tasks = set(table["stratum"])
-    if tasks != {""}:
-        for domain, members in DOMAINS.items():
-            if tasks & set(members):
-                out[domain] = strata_of(table, members)
+def longbench_domains(table: pd.DataFrame) -> dict[str, list[np.ndarray]]:
+    """LongBench's domains present in the run (each the mean of its tasks)."""
+    tasks = set(table["task"])
+    return {domain: strata_of(table, members) for domain, members in DOMAINS.items() if tasks & set(members)}
+
+
+def ruler_domains(table: pd.DataFrame) -> dict[str, list[np.ndarray]]:
+    """Per length, each RULER group present and the mean over tasks, named as the run's metrics name them."""
+    out = {}
+    for length in sorted(set(table["length"])):
+        out[domain_name("mean", length)] = strata_of(table, length=length)
+        for group, members in GROUPS.items():
+            if set(table["task"][table["length"] == length]) & set(members):
+                out[domain_name(group, length)] = strata_of(table, members, length)
     return out
+
+
+DOMAINS_OF = {"longbench": longbench_domains, "ruler": ruler_domains}   # benchmark -> its score's parts
+
+
+def domains_of(table: pd.DataFrame, benchmark: str) -> dict[str, list[np.ndarray]]:
+    """``average`` (the run's score: the mean over every stratum) and the benchmark's parts of it."""
+    parts = DOMAINS_OF.get(benchmark)
+    return {"average": strata_of(table), **(parts(table) if parts else {})}
 
 
 SIGNIFICANCE_COLUMNS = ["model", "benchmark", "variant", "method", "budget", "selection", "domain", "n", "delta", "ci_low",
@@ -160,7 +183,7 @@ def pair_rows(base_dir: Path, cand_dir: Path, label: str, resamples: int, seed: 
         return [{**common, "domain": "average", "n": None, "note": str(err)}]
     difference = (table[1] - table[0]).to_numpy()
     return [{**common, "domain": domain, **vars(paired_bootstrap(difference, strata, resamples, seed)), "note": ""}
-            for domain, strata in domains_of(table).items()]
+            for domain, strata in domains_of(table, cfg.benchmark.name).items()]
 
 
 SAVINGS_CI_COLUMNS = ["equivalent_budget_ci_low", "equivalent_budget_ci_high", "savings_pct_ci_low",

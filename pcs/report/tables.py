@@ -10,11 +10,22 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..benchmarks.ruler_data import GROUPS
+
 DOMAINS = ["single_doc_qa", "multi_doc_qa", "summarization", "few_shot", "synthetic", "code", "average"]
 DOMAIN_NAMES = {"single_doc_qa": "Single-Doc QA", "multi_doc_qa": "Multi-Doc QA", "summarization": "Summarization",
                 "few_shot": "Few-shot", "synthetic": "Synthetic", "code": "Code", "average": "Average"}
 SELECTION_ORDER = ["none", "attention", "perturbation_alpha0", "perturbation"]
 SELECTION_NAMES = {"attention": "w/o", "perturbation": "w/", "perturbation_alpha0": "alpha=0", "none": ""}
+
+
+def part_key(domain: str):
+    """RULER's parts (``retrieval_2048``, ``mean_2048``) by length, then in RULER's group order, the mean last."""
+    group, _, length = domain.rpartition("_")
+    if not length.isdigit():
+        return (0, 0, domain)
+    order = [*GROUPS, "mean"]
+    return (int(length), order.index(group) if group in order else len(order), domain)
 
 
 def selection_key(label: str):
@@ -57,8 +68,8 @@ def block(df: pd.DataFrame, model: str, paper: pd.DataFrame | None = None,
     """Rows of one model's block: domain, then per column the value, its paper value, bold, and
     whether its difference to the same budget's attention-only cell is significant."""
     cols = columns_of(df)
-    domains = [d for d in DOMAINS if (df["domain"] == d).any()] + \
-              sorted(set(df["domain"]) - set(DOMAINS))
+    present = set(df["domain"])
+    domains = [d for d in DOMAINS[:-1] if d in present] + sorted(present - set(DOMAINS), key=part_key) + ["average"]
     budgeted = df[df["budget"].notna()]["method"]
     method = budgeted.iloc[0] if len(budgeted) else df["method"].iloc[0]
     rows = []
