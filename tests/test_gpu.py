@@ -66,6 +66,18 @@ def test_cuda_decoding_takes_at_most_two_attention_calls_per_layer(cell):
     assert len(gen.token_ids) == 9 and calls - layers <= 2 * layers * 8
 
 
+@pytest.mark.parametrize("cell", [CELLS[1], CELLS[-1]])
+def test_cuda_decoding_stays_off_cudnn_attention(cell):
+    """cuDNN's attention builds an execution plan for every new key length, and decoding meets one per step
+    (on an H100: 24 ms of CPU per call, a second per token for 32 layers): decoding must not reach it."""
+    model = tiny_model("llama").cuda().to(torch.bfloat16)
+    ids = torch.randint(0, 256, (1, 300), device="cuda")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        greedy_generate(model, ids, method(cell), 6, set())
+    cudnn = sum(e.count for e in prof.key_averages() if "cudnn_attention" in e.key)
+    assert cudnn <= model.config.num_hidden_layers      # the prefill's, at most: one per layer
+
+
 def test_cuda_shared_prefill_gives_each_cell_its_own_result():
     model = tiny_model("llama").cuda()
     ids = torch.randint(0, 256, (1, 300), device="cuda")
