@@ -196,6 +196,41 @@ def string_match_part(prediction: str, references: list[str]) -> float:
     return 100.0 * any(r.lower() in prediction.lower() for r in references)
 
 
+def fitted_samples(build: Callable[[int, int], tuple[str, list[str]]], probe: Callable[[str, list[str]], str],
+                   n_tokens: Callable[[str], int], length: int, reserved: int, count: int, step: int = 10,
+                   cap: int | None = None, unit: str = "units") -> list[dict]:
+    """RULER's fitting for vt, cwe and qa: grow the number of units (noise blocks, words, documents) by ``step``
+    while sample 0's ``probe`` text plus ``reserved`` tokens fits in ``length`` (up to ``cap`` units), then build
+    each sample (``build(index, units)``) with that many, backing off by ``step`` until its prompt fits. Every
+    probe and rebuild draws from the generator's streams, as in RULER."""
+    n, total = step, 0
+    while total + reserved < length:
+        prompt, answer = build(0, n)
+        total = n_tokens(probe(prompt, answer))
+        if total + reserved > length:
+            n -= step
+            break
+        n += step
+        if cap is not None and n > cap:
+            n = cap
+            break
+    if n <= 0:
+        raise ValueError(f"{step} {unit} do not fit in {length} tokens")
+    out = []
+    for index in range(count):
+        used = n
+        while True:
+            prompt, answer = build(index, used)
+            tokens = n_tokens(prompt) + reserved
+            if tokens <= length:
+                break
+            if used <= step:
+                raise ValueError(f"a prompt of {used} {unit} does not fit in {length} tokens")
+            used -= step
+        out.append({"index": index, "input": prompt, "outputs": answer, "length": tokens})
+    return out
+
+
 # Variable tracking (RULER's scripts/data/synthetic/variable_tracking.py): one chain of 4 hops in noise, with
 # RULER's one-shot example (built first, at 500 tokens) prepended.
 VT_TEMPLATE = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
@@ -243,32 +278,15 @@ class VtGenerator:
         return template.format(context=context, query=value, num_v=self.hops + 1), names
 
     def fitted(self, length: int, step: int, count: int, example: str | None) -> list[dict]:
-        """RULER's ``sys_vartrack_w_noise_random``: the noise search, then ``count`` samples."""
+        """RULER's ``sys_vartrack_w_noise_random``: the noise search, then ``count`` samples (the one-shot
+        ``example``, counted in the length, goes in front)."""
         one_shot = example is None
-        example_tokens = self.n_tokens(example) if example else 0
-        n, total = step, 0
-        while total + VT_NEW_TOKENS + example_tokens < length:
-            prompt, names = self.build(n, one_shot)
-            total = self.n_tokens(prompt + f" {names}")
-            if total + VT_NEW_TOKENS + example_tokens > length:
-                n -= step
-                break
-            n += step
-        out = []
-        for index in range(count):
-            used = n
-            while True:
-                prompt, names = self.build(used, one_shot)
-                tokens = self.n_tokens(prompt) + VT_NEW_TOKENS + example_tokens
-                if tokens <= length:
-                    break
-                if used <= step:
-                    raise ValueError(f"a vt prompt does not fit in {length} tokens")
-                used -= step
-            if example:
-                prompt = " " + example + "\n\n" + prompt
-            out.append({"index": index, "input": prompt, "outputs": names, "length": tokens})
-        return out
+        rows = fitted_samples(lambda index, n: self.build(n, one_shot), lambda prompt, names: prompt + f" {names}",
+                              self.n_tokens, length, VT_NEW_TOKENS + (self.n_tokens(example) if example else 0),
+                              count, step, unit="noise blocks")
+        for row in rows if example else []:
+            row["input"] = " " + example + "\n\n" + row["input"]
+        return rows
 
     def samples(self, count: int) -> list[dict]:
         shot = self.fitted(500, 5, 1, None)[0]
@@ -324,33 +342,9 @@ class CweGenerator:
         one_shot = template.format(context=shot) + numbered(shot_answer)
         return one_shot + "\n" + template.format(context=context), answer
 
-    def samples(self, count: int, step: int = 10) -> list[dict]:
-        """The word-count search (answers counted), then ``count`` samples, each backing off by ``step`` words
-        until its prompt and the new tokens fit."""
-        n, total = step, 0
-        while total + CWE_NEW_TOKENS < self.length:
-            prompt, answer = self.build(n)
-            total = self.n_tokens(prompt + " " + numbered(answer))
-            if total + CWE_NEW_TOKENS > self.length:
-                n -= step
-                break
-            n += step
-            if n > len(self.words):
-                n = len(self.words)
-                break
-        out = []
-        for index in range(count):
-            used = n
-            while True:
-                prompt, answer = self.build(used)
-                tokens = self.n_tokens(prompt) + CWE_NEW_TOKENS
-                if tokens <= self.length:
-                    break
-                if used <= step:
-                    raise ValueError(f"a cwe prompt does not fit in {self.length} tokens")
-                used -= step
-            out.append({"index": index, "input": prompt, "outputs": answer, "length": tokens})
-        return out
+    def samples(self, count: int) -> list[dict]:
+        return fitted_samples(lambda index, n: self.build(n), lambda prompt, answer: prompt + " " + numbered(answer),
+                              self.n_tokens, self.length, CWE_NEW_TOKENS, count, cap=len(self.words), unit="words")
 
 
 # Frequent words extraction (RULER's scripts/data/synthetic/freq_words_extraction.py): coded words drawn with
@@ -491,35 +485,11 @@ class QaGenerator:
         context = "\n\n".join(f"Document {i + 1}:\n{d}" for i, d in enumerate(docs))
         return (QA_TEMPLATE + QA_PREFIX).format(context=context, query=question["query"]), question["outputs"]
 
-    def samples(self, count: int, step: int = 10) -> list[dict]:
+    def samples(self, count: int) -> list[dict]:
         if count > len(self.questions):
             raise ValueError(f"{count} samples asked, the dataset has {len(self.questions)} questions")
-        n, total = step, 0
-        while total + QA_NEW_TOKENS < self.length:
-            prompt, answer = self.build(0, n)
-            total = self.n_tokens(prompt + f" {answer}")
-            if total + QA_NEW_TOKENS > self.length:
-                n -= step
-                break
-            n += step
-            if n > len(self.documents):
-                n = len(self.documents)
-                break
-        if n == 0:
-            raise ValueError(f"{step} documents of {len(self.documents)} do not fit in {self.length} tokens")
-        out = []
-        for index in range(count):
-            used = n
-            while True:
-                prompt, answer = self.build(index, used)
-                tokens = self.n_tokens(prompt) + QA_NEW_TOKENS
-                if tokens <= self.length:
-                    break
-                if used <= step:
-                    raise ValueError(f"a qa prompt does not fit in {self.length} tokens")
-                used -= step
-            out.append({"index": index, "input": prompt, "outputs": answer, "length": tokens})
-        return out
+        return fitted_samples(self.build, lambda prompt, answer: prompt + f" {answer}", self.n_tokens, self.length,
+                              QA_NEW_TOKENS, count, cap=len(self.documents), unit="documents")
 
 
 # RULER's task groups (its README's categories), and how a group's score at one length is named in metrics.json's
