@@ -91,3 +91,14 @@ def test_missing_qa_data_is_a_clear_error_before_the_model_loads(tmp_path, monke
     cfg = compose_cfg("benchmark=ruler", "benchmark.tasks=[niah_single_1,qa_2]", f"benchmark.qa_dir={tmp_path}")
     with pytest.raises(FileNotFoundError, match=r"qa_2.*hotpotqa.json.*Could not resolve host.*benchmark.qa_dir"):
         build_benchmark(cfg).check()
+
+
+def test_default_lengths_follow_the_models_window():
+    """null lengths: RULER's 4K-128K within a paper model's window; 2K and 4K for the 8K embedded model."""
+    assert build_benchmark(compose_cfg("benchmark=ruler")).lengths == [2048, 4096]
+    assert build_benchmark(compose_cfg("benchmark=ruler", "model=llama31")).lengths == [4096, 8192, 16384, 32768,
+                                                                                          65536, 131072]
+    assert build_benchmark(compose_cfg("benchmark=ruler", "model=llama31", "benchmark.lengths=[1024]")).lengths == [1024]
+    with pytest.raises(ValueError, match="8192 positions"):
+        build_benchmark(compose_cfg("benchmark=ruler", "benchmark.lengths=[4096,16384]",
+                                    "benchmark.tasks=[niah_single_1]")).check()

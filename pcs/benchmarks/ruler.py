@@ -23,8 +23,8 @@ from ..paths import default_cache_dir, package_dir
 from ..provenance import sha256_files, sha256_text
 from .base import Benchmark, Sample
 from .needle import essay_files
-from .ruler_data import (GROUPS, QA_SOURCES, TASKS, cwe_vocabulary, domain_name, essay_words, generate,
-                         needle_words, normalize_kvpress, normalize_ruler, read_hotpotqa, read_squad, string_match_all,
+from .ruler_data import (GROUPS, QA_SOURCES, TASKS, cwe_vocabulary, default_lengths, domain_name, essay_words,
+                         generate, needle_words, normalize_kvpress, normalize_ruler, read_hotpotqa, read_squad, string_match_all,
                          string_match_part)
 
 GENERATOR_VERSION = 1     # bump when a generator changes what it draws: cached samples are then made anew
@@ -71,14 +71,25 @@ class Ruler(Benchmark):
             raise ValueError(f"benchmark.tasks: {unknown} are not RULER tasks; choose from: {', '.join(TASKS)}")
         if self.cfg.normalize not in NORMALIZE:
             raise ValueError(f"benchmark.normalize={self.cfg.normalize!r}: choose ruler or kvpress")
-        short = [n for n in self.cfg.lengths if n < 512]
+        short = [n for n in self.lengths if n < 512]
         if short:
             raise ValueError(f"benchmark.lengths {short}: RULER's prompts need at least 512 tokens")
+        window = self.run_cfg.model.context_window
+        long = [n for n in self.lengths if n > window]
+        if long:
+            raise ValueError(f"benchmark.lengths {long}: model={self.run_cfg.model.name} has {window} positions")
         word_lists()
         essay_files(self.cfg.haystack_dir)
         for task in self.cfg.tasks:
             if task in QA_SOURCES:
                 qa_file(task, self.cfg.qa_dir)
+
+    @cached_property
+    def lengths(self) -> list[int]:
+        """``benchmark.lengths``, or (null) the model's: RULER's lengths that fit in its context window."""
+        if self.cfg.lengths is not None:
+            return list(self.cfg.lengths)
+        return default_lengths(self.run_cfg.model.context_window)
 
     @cached_property
     def words(self) -> list[str]:
@@ -123,7 +134,7 @@ class Ruler(Benchmark):
 
     def samples(self, tokenizer) -> list[Sample]:
         out, sources = [], self.sources_digest(tokenizer)
-        for length in self.cfg.lengths:
+        for length in self.lengths:
             for task in self.cfg.tasks:
                 rows = self.generated(task, length, tokenizer, sources)
                 self.digests[f"{task}_{length}"] = sha256_text(json.dumps(rows))

@@ -492,6 +492,19 @@ class QaGenerator:
                               QA_NEW_TOKENS, count, cap=len(self.documents), unit="documents")
 
 
+# The lengths RULER reports (4K to 128K). A model with at most 8K positions (the embedded CPU model) runs 2K and
+# 4K instead: 8K prompts would fit its window but cost about four times 4K's prefill on a CPU.
+RULER_LENGTHS = [4096, 8192, 16384, 32768, 65536, 131072]
+SMALL_MODEL_LENGTHS = [2048, 4096]
+
+
+def default_lengths(context_window: int) -> list[int]:
+    """The lengths a model runs when ``benchmark.lengths`` is null."""
+    if context_window <= 8192:
+        return SMALL_MODEL_LENGTHS
+    return [n for n in RULER_LENGTHS if n <= context_window]
+
+
 # RULER's task groups (its README's categories), and how a group's score at one length is named in metrics.json's
 # ``domains`` and in the report.
 GROUPS = {"retrieval": sorted(NIAH), "multi_hop_tracing": ["vt"], "aggregation": ["cwe", "fwe"], "qa": ["qa_1", "qa_2"]}
