@@ -17,6 +17,7 @@ allocated, room and the padding of shorter heads included.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
@@ -281,10 +282,7 @@ def held_attention(module, query, key, value, attention_mask, scaling=None, drop
             mask = mask.view(1, n_kv_heads, 1, -1)
         else:
             mask = mask.expand(n_kv_heads, group, q_len, -1).reshape(1, n_kv_heads, group * q_len, -1)
-    if rows.is_cuda:
-        with sdpa_kernel(DECODE_BACKENDS):
-            out = F.scaled_dot_product_attention(rows, keys, value, attn_mask=mask, scale=scaling)
-    else:
+    with sdpa_kernel(DECODE_BACKENDS) if rows.is_cuda else nullcontext():
         out = F.scaled_dot_product_attention(rows, keys, value, attn_mask=mask, scale=scaling)
     # reshape, not view: CUDA's kernels may return rows in another memory layout than (H_kv, rows, d).
     return out.reshape(1, n_q_heads, q_len, d).transpose(1, 2).contiguous(), None
