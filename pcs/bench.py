@@ -125,9 +125,10 @@ ATTENTION_OP = "aten::scaled_dot_product_attention"
 
 def attention_calls_per_token(model, method, ids, steps: int = 4) -> float:
     """Attention calls (all layers) per decoded token, counted by the profiler over ``steps`` decoding
-    steps: the prefill's one call per layer is subtracted."""
-    from torch.profiler import profile
-    with profile() as prof:
+    steps: the prefill's one call per layer is subtracted. CPU events only: tracing the GPU's kernels too
+    (CUPTI) costs minutes per configuration at 128K and is not needed to count calls."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
         greedy_generate(model, ids, method, steps + 1, set())
     calls = sum(e.count for e in prof.key_averages() if e.key == ATTENTION_OP)
     return (calls - model.config.num_hidden_layers) / steps

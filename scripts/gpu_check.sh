@@ -11,6 +11,7 @@
 #   CONTEXTS=8192 bash scripts/gpu_check.sh                     # the tests, then the bench at 8K
 #   TESTS=0 APPEND=1 CONTEXTS=32768 bash scripts/gpu_check.sh  # adds 32K to the same results file
 #   TESTS=0 APPEND=1 ANALYSIS=0 REPEATS=1 CONTEXTS=131072 bash scripts/gpu_check.sh
+# METHODS narrows the methods (default: all five; the full cache is always measured).
 #
 # The machine brings torch (CUDA) and transformers; what else pcs's engine needs (hydra-core, omegaconf,
 # antlr4) is installed from wheels/ into a folder of its own, without touching the machine's packages.
@@ -20,6 +21,7 @@ PY=${PYTHON:-python3}
 SITE=${PCS_GPU_SITE:-/tmp/pcs-gpu-site}
 CONTEXTS=${CONTEXTS:-8192 32768 131072}
 REPEATS=${REPEATS:-3}
+METHODS=${METHODS:-snapkv pyramidkv adakv streamingllm laprox}
 
 if compgen -G "wheels/*.whl" > /dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" wheels/*.whl
@@ -37,12 +39,13 @@ PY
 DEVICE=$("$PY" -c "import torch, re; print(re.sub(r'[^A-Za-z0-9]+', '_', torch.cuda.get_device_name(0)).strip('_'))")
 OUT_FILE=results/bench/gpu_${DEVICE}.jsonl
 
-[ "${TESTS:-1}" = 0 ] || "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider
+tests_rc=0   # a failing test does not stop the bench; the script exits with the tests' status at the end
+[ "${TESTS:-1}" = 0 ] || "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider || tests_rc=$?
 
 [ "${APPEND:-0}" = 1 ] || : > "$OUT_FILE"
 for context in $CONTEXTS; do   # one process per context: each context's rows land as soon as they are measured
   "$PY" -m pcs.bench --model llama31-shape --layers 32 --contexts "$context" --device cuda \
-      --methods snapkv pyramidkv adakv streamingllm laprox --selections attention perturbation --budgets 128 1024 \
+      --methods $METHODS --selections attention perturbation --budgets 128 1024 \
       --repeats "$REPEATS" --decode-tokens 32 --json | tee -a "$OUT_FILE"
 done
 [ "${ANALYSIS:-1}" = 0 ] || "$PY" -m pcs.bench --perturbation-analysis --model llama31-shape --layers 32 \
@@ -58,7 +61,7 @@ report = subprocess.run([sys.executable, "-m", "pcs.bench", "--report", path], c
 readme = Path("results/bench/README.md")
 begin, end = f"<!-- gpu {device} -->", f"<!-- /gpu {device} -->"
 section = (f"{begin}\n## {Path(path).name}: Llama-3.1-8B shapes on {device.replace('_', ' ')}\n\n"
-           f"Written by `bash scripts/gpu_check.sh` (random bfloat16 weights, 32 layers; medians of 3 rounds).\n\n"
+           f"Written by `bash scripts/gpu_check.sh` (random bfloat16 weights, 32 layers; medians over each row's `repeats` rounds).\n\n"
            f"{report}\n{end}")
 text = readme.read_text()
 text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda m: section, text, flags=re.S) if begin in text \
@@ -67,3 +70,4 @@ readme.write_text(text)
 print(report)
 PY
 echo "[gpu_check] wrote $OUT_FILE and its table in results/bench/README.md"
+exit "$tests_rc"
