@@ -4,7 +4,7 @@
 #   perturbation analysis: snapkv and adakv at budget 128
 #   laprox: the needle test at budgets 64, 128, 256; the needle grid at about 5 % of the context for every
 #   method (experiment laprox_embedded); the perturbation analysis of laprox beside the three methods
-#   ruler: niah_single_1/2/3 at 2,048 tokens, 200 samples each, snapkv and adakv x selections x budgets 256, 512,
+#   ruler: niah_single_1/2/3 at 2,048 tokens, 500 samples each (RULER's number), snapkv and adakv x selections x budgets 256, 512,
 #   question inside and outside the compressed context (experiment ruler_embedded: the longest part, hours)
 # Finished runs are skipped, so the script can be rerun after an interruption (about 75 min on 2 CPU cores
 # before runs shared their prefills).
