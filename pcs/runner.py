@@ -20,7 +20,7 @@ from .identity import PER_CELL, RunIdentity
 from .models import load_model, stop_token_ids
 from .output_perturbation import perturbation_row
 from .provenance import now, provenance
-from .run_folder import exclusive, is_finished, prepare, read_rows, write_json_atomic
+from .run_folder import exclusive, is_finished, prepare, read_rows, write_json_atomic, write_rows_atomic
 from .tracking import log_run
 
 
@@ -147,9 +147,11 @@ def resumed(cell: Cell, n_samples: int):
     cell.done = {row["id"] for row in cell.rows}
     if cell.done:
         print(f"[pcs] resuming {cell.run_dir}: {len(cell.done)} of {n_samples} samples already done")
-    # Rewrite what was read so that a torn last line does not stay in the file.
-    with predictions_file.open("w", encoding="utf-8") as out:
-        out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in cell.rows)
+    # Drop a torn last line before appending. The rewrite is on disk before the first new row: rewritten through
+    # the appending handle, rows past its buffer would stay in memory until the run's next row, and a kill before
+    # that (the run already had them) would lose them.
+    write_rows_atomic(predictions_file, cell.rows)
+    with predictions_file.open("a", encoding="utf-8") as out:
         yield out
 
 

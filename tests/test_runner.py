@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,17 @@ def test_full_cache_runs_share_one_folder_whatever_budget_or_selection(tiny_mode
     first = run(small_cfg(tiny_model_dir, tmp_path, "method=full", "budget=64", "selection=attention"))
     monkeypatch.setattr(pcs.runner, "load_model", lambda *a: pytest.fail("the same full-cache run was redone"))
     assert run(small_cfg(tiny_model_dir, tmp_path / ".." / tmp_path.name, "method=full", "budget=256")) == first
+
+
+def test_resuming_puts_every_done_row_on_disk_before_the_first_new_one(tmp_path):
+    """A resumed run with more done rows than a file buffer holds (here 60 of ~500 bytes), and a torn line: once
+    the file is open for the new rows, the disk holds every done row, so a kill before the next row loses none."""
+    rows = [{"id": f"s{i}", "prediction": "x" * 450, "score": 100.0} for i in range(60)]
+    path = tmp_path / "predictions.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"id": "s60", "predic')
+    cell = SimpleNamespace(run_dir=tmp_path)
+    with pcs.runner.resumed(cell, 100) as out:
+        on_disk = [json.loads(line) for line in path.read_text().splitlines()]
+        assert on_disk == rows and cell.done == {r["id"] for r in rows}
+        out.write(json.dumps({"id": "s60"}) + "\n")
+    assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == [f"s{i}" for i in range(61)]
