@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 from .benchmarks.base import build_benchmark
-from .run_folder import load_config, read_rows, write_json_atomic
+from .run_folder import load_config, read_rows, write_json_atomic, write_rows_atomic
 
 
 def run_dirs(path: Path) -> list[Path]:
@@ -43,9 +43,7 @@ def rescore(run_dir: Path, fuzzy_backend: str | None = None) -> tuple[list[dict]
 
 def write(run_dir: Path, rows: list[dict], scores: dict) -> None:
     """Replace the rows' scores and the score fields of ``metrics.json`` (kept: sizes, times)."""
-    tmp = run_dir / "predictions.jsonl.tmp"
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    tmp.replace(run_dir / "predictions.jsonl")
+    write_rows_atomic(run_dir / "predictions.jsonl", rows)
     metrics_file = run_dir / "metrics.json"
     metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {"n_samples": len(rows)}
     metrics.update(scores)

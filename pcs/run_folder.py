@@ -27,18 +27,20 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
-def write_rows_atomic(path: Path, rows: list[dict]) -> None:
-    """Replace a predictions file by ``rows`` in one step: a process killed meanwhile leaves the old file or the
-    new one, never a part of either."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace a file's text in one step: a process killed meanwhile leaves the old file or the new one, never a
+    part of either."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
-    tmp.replace(path)
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_rows_atomic(path: Path, rows: list[dict]) -> None:
+    write_text_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
 def is_finished(run_dir: Path) -> bool:

@@ -82,3 +82,19 @@ def test_cuda_decoding_stays_off_cudnn_attention(cell):
         return sum(e.count for e in prof.key_averages() if "cudnn_attention" in e.key)
 
     assert cudnn_events(6) == cudnn_events(1)
+
+
+def test_cuda_shared_prefill_gives_each_cell_its_own_result():
+    model = tiny_model("llama").cuda()
+    ids = torch.randint(0, 256, (1, 300), device="cuda")
+    built = [method(cell) for cell in CELLS]
+    shared = greedy_generate_each(model, ids, built, 10, set())
+    for chosen, got in zip(built, shared):
+        alone = greedy_generate(model, ids, chosen, 10, set())
+        assert got.token_ids == alone.token_ids and got.kv_cache_bytes == alone.kv_cache_bytes
+
+
+def test_bench_runs_long_contexts_in_bfloat16():
+    from pcs.bench import main
+    assert main(["--model", "llama31-shape", "--layers", "2", "--contexts", "8192", "--device", "cuda",
+                 "--methods", "snapkv", "adakv", "--budgets", "128", "--repeats", "1", "--decode-tokens", "4"]) == 0
