@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 KVPRESS_VENV ?= .venv-kvpress
 
-.PHONY: setup run test clean compare-kvpress conformance gpu-wheels
+.PHONY: setup run test clean compare-kvpress conformance conformance-answers gpu-wheels
 
 setup: $(STAMP)
 
@@ -38,6 +38,10 @@ compare-kvpress: setup $(KVPRESS_VENV)/.installed
 # profile=kvpress against kvpress's presses, entry by entry: writes results/conformance/, fails below 100 %.
 conformance: setup $(KVPRESS_VENV)/.installed
 	$(PY) scripts/conformance.py --kvpress-python $(KVPRESS_VENV)/bin/python
+
+# The greedy answers decoded on those entries, token for token, on RULER samples: results/conformance/answers.md.
+conformance-answers: setup $(KVPRESS_VENV)/.installed
+	$(PY) scripts/kvpress_answers.py --kvpress-python $(KVPRESS_VENV)/bin/python
 
 # What scripts/gpu_check.sh installs on a GPU machine without a registry (it brings torch and transformers):
 # pure-Python wheels, built here, into the git-ignored wheels/ that travels with the checkout.

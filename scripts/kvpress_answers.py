@@ -1,0 +1,175 @@
+"""Greedy answers of pcs (profile=kvpress) against NVIDIA kvpress 0.5.5's, token for token, on RULER samples.
+
+    make conformance-answers    # kvpress in its own environment (.venv-kvpress), as make conformance
+    .venv/bin/python scripts/kvpress_answers.py --kvpress-python .venv-kvpress/bin/python [--samples 2]
+
+scripts/conformance.py checks that both keep the same entries; this checks what is built on them: the answer
+decoded on the compressed cache. pcs decodes on its own cache (per-head buffers, one attention call per layer);
+kvpress on transformers' DynamicCache with the evicted entries removed (score-based presses) or masked (AdaKV
+presses), its question and answer fed as its pipeline's ``generate_answer`` feeds them (positions continue from
+the uncompressed context). On the embedded model, RULER niah_single_1/2/3 at 2,048 tokens (the first samples of
+each), with the question compressed with the context (budgets 256, 512) and fed after compression (1,024,
+1,536), as the reference sweep of results/embedded/ruler. Writes results/conformance/answers.csv and answers.md;
+exits 1 if any answer differs.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conformance import CASES, FLOOR, PRESSES, ROOT, kvpress_press
+
+WINDOW, KERNEL = 32, 7
+ANSWER_CASES = ["snapkv", "adakv", "criticalkv", "criticaladakv"]
+SETTINGS = {"question inside": (True, [256, 512]), "question after": (False, [1024, 1536])}
+
+
+# ---- kvpress side (runs in kvpress's environment; imports nothing from pcs) ----
+
+def kvpress_worker(model_dir: str) -> None:
+    """Reads requests (JSON lines), answers each with kvpress's greedy answer tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    for line in sys.stdin:
+        request = json.loads(line)
+        context = torch.tensor([request["context"]])
+        press = kvpress_press(request["case"], request["ratio"], request["window"], request["kernel"])
+        cache = DynamicCache()
+        with torch.inference_mode():
+            with press(model):
+                logits = model(input_ids=context, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            position = context.shape[1]
+            if request["question"]:            # kvpress's pipeline: the question on the compressed cache
+                question = torch.tensor([request["question"]])
+                positions = torch.arange(position, position + question.shape[1])[None]
+                logits = model(input_ids=question, past_key_values=cache, position_ids=positions,
+                               logits_to_keep=1).logits
+                position += question.shape[1]
+            tokens = []
+            while len(tokens) < request["max_new_tokens"]:
+                token = int(logits[0, -1].argmax())
+                if token in request["stops"]:
+                    break
+                tokens.append(token)
+                logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache,
+                               position_ids=torch.tensor([[position]])).logits
+                position += 1
+        print(json.dumps({"tokens": tokens}), flush=True)
+
+
+# ---- pcs side ----
+
+def pcs_answers(model, prompt, methods: dict, sample, stops: set[int]) -> dict[str, list[int]]:
+    """Each method's greedy answer on one shared prefill, as a run generates it."""
+    import torch
+    from pcs.generate import greedy_generate_each
+    question = None if prompt.question is None else torch.tensor([prompt.question])
+    generations = greedy_generate_each(model, torch.tensor([prompt.context]), list(methods.values()),
+                                       sample.max_new_tokens, stops, question_ids=question)
+    return {key: g.token_ids for key, g in zip(methods, generations)}
+
+
+def compare(args) -> list[dict]:
+    from pcs.config import compose
+    from pcs.eviction import build_method
+    from pcs.eviction.conventions import kvpress_ratio
+    from pcs.models import load_model, stop_token_ids, weights_location
+    from pcs.runner import checked
+    model_cfg = compose(["model=smollm2", "model.device=cpu"]).model
+    model, tokenizer = load_model(model_cfg)
+    worker = subprocess.Popen([args.kvpress_python, __file__, "--worker", "--model-dir", weights_location(model_cfg)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    rows = []
+    for setting, (query_aware, budgets) in SETTINGS.items():
+        cfg = compose(["benchmark=ruler", "benchmark.tasks=[niah_single_1,niah_single_2,niah_single_3]",
+                       "benchmark.lengths=[2048]", f"benchmark.n_samples={args.samples}",
+                       f"benchmark.query_aware={str(query_aware).lower()}"])
+        benchmark = checked(cfg).benchmark
+        methods = {}
+        for case in ANSWER_CASES:
+            method_name, overrides = CASES[case]
+            knobs = [f"method.window={WINDOW}", f"method.kernel={KERNEL}", "method.pooling=avg"]
+            knobs += [f"method.floor={FLOOR}"] if method_name == "adakv" else []
+            for budget in budgets:
+                methods[case, budget] = build_method(compose([f"method={method_name}", f"budget={budget}",
+                                                              "profile=kvpress"] + overrides + knobs))
+        for sample in benchmark.samples(tokenizer):
+            prompt = benchmark.encode(sample, tokenizer, model_cfg)
+            stops = stop_token_ids(model, tokenizer) | {tokenizer.encode(t, add_special_tokens=False)[-1]
+                                                        for t in sample.stop_texts}
+            ours = pcs_answers(model, prompt, methods, sample, stops)
+            for (case, budget), tokens in ours.items():
+                request = {"context": prompt.context, "question": prompt.question, "case": case,
+                           "ratio": kvpress_ratio(budget, len(prompt.context)), "window": WINDOW, "kernel": KERNEL,
+                           "stops": sorted(stops), "max_new_tokens": sample.max_new_tokens}
+                worker.stdin.write(json.dumps(request) + "\n")
+                worker.stdin.flush()
+                line = worker.stdout.readline()
+                if not line:
+                    raise RuntimeError("the kvpress worker exited (its error is above)")
+                theirs = json.loads(line)["tokens"]
+                row = {"setting": setting, "sample": sample.id, "pcs": case, "kvpress": PRESSES[case],
+                       "budget": budget, "identical": tokens == theirs,
+                       "answer_pcs": tokenizer.decode(tokens), "answer_kvpress": tokenizer.decode(theirs),
+                       "score_pcs": benchmark.score({**sample.meta, "prediction": tokenizer.decode(tokens)}),
+                       "score_kvpress": benchmark.score({**sample.meta, "prediction": tokenizer.decode(theirs)})}
+                rows.append(row)
+                print(f"{setting:<16} {sample.id:<22} {case:<14} b{budget:<5} "
+                      f"{'same' if row['identical'] else 'DIFFERENT'}  pcs {row['answer_pcs']!r}  "
+                      f"kvpress {row['answer_kvpress']!r}", flush=True)
+    worker.stdin.close()
+    worker.wait()
+    return rows
+
+
+def write(rows: list[dict], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "answers.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ["# Answers: pcs (profile=kvpress) against NVIDIA kvpress 0.5.5", "",
+             "Greedy answers decoded on the compressed cache, token for token, on the embedded SmolLM2 and RULER",
+             "samples at 2,048 tokens; written by `make conformance-answers` (scripts/kvpress_answers.py).", "",
+             "| setting | pcs | kvpress press | budget | answers | identical | RULER score pcs / kvpress |",
+             "|---|---|---|---:|---:|---:|---|"]
+    for setting, (_, budgets) in SETTINGS.items():
+        for case in ANSWER_CASES:
+            for budget in budgets:
+                mine = [r for r in rows if (r["setting"], r["pcs"], r["budget"]) == (setting, case, budget)]
+                mean = lambda key: sum(r[key] for r in mine) / len(mine)
+                lines.append(f"| {setting} | {case} | {PRESSES[case]} | {budget} | {len(mine)} | "
+                             f"{sum(r['identical'] for r in mine)} | {mean('score_pcs'):.1f} / {mean('score_kvpress'):.1f} |")
+    lines += ["", "Samples: " + ", ".join(sorted({r["sample"] for r in rows})) + f". Window {WINDOW}, kernel {KERNEL},",
+              "average pooling; kvpress's compression ratio is 1 - budget / context tokens.", ""]
+    (out / "answers.md").write_text("\n".join(lines))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kvpress-python", help="the Python of an environment with kvpress 0.5.5")
+    parser.add_argument("--samples", type=int, default=2, help="the first samples of each task")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "conformance")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        kvpress_worker(args.model_dir)
+        return 0
+    if not args.kvpress_python:
+        parser.error("--kvpress-python is required (make conformance builds .venv-kvpress)")
+    rows = compare(args)
+    write(rows, args.out)
+    different = [r for r in rows if not r["identical"]]
+    print(f"[pcs] answers: {len(rows) - len(different)} of {len(rows)} identical; {args.out / 'answers.md'}")
+    return 1 if different else 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())
