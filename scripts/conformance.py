@@ -100,6 +100,36 @@ def kvpress_worker(model_dir: str) -> None:
 
 # ---- pcs side ----
 
+def embedded_model():
+    """The embedded model on the CPU: its config, the model and the tokenizer."""
+    from pcs.config import compose
+    from pcs.models import load_model
+    model_cfg = compose(["model=smollm2", "model.device=cpu"]).model
+    return (model_cfg, *load_model(model_cfg))
+
+
+class KvpressWorker:
+    """A script's kvpress side in kvpress's environment (``script --worker``): one JSON request per line in,
+    one JSON answer per line out, the model loaded once."""
+
+    def __init__(self, python: str, script: str, model_cfg):
+        from pcs.models import weights_location
+        self.process = subprocess.Popen([python, script, "--worker", "--model-dir", weights_location(model_cfg)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(self, request: dict) -> dict:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError("the kvpress worker exited (its error is above)")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
 TIES = []   # cuts, in the current cell, where a kept and an evicted entry score the same
 
 
@@ -156,13 +186,9 @@ def pcs_kept(model, ids: list[int], case: str, budget: int, window: int, kernel:
 
 
 def compare(args) -> list[dict]:
-    from pcs.config import compose
     from pcs.eviction.conventions import kvpress_ratio
-    from pcs.models import load_model, weights_location
-    cfg = compose(["model=smollm2", "model.device=cpu"]).model
-    model, tokenizer = load_model(cfg)
-    worker = subprocess.Popen([args.kvpress_python, __file__, "--worker", "--model-dir", weights_location(cfg)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    model_cfg, model, tokenizer = embedded_model()
+    worker = KvpressWorker(args.kvpress_python, __file__, model_cfg)
     rows = []
     for prompt, ids in prompts(tokenizer, args.lengths).items():
         for setting, (window, kernel) in SETTINGS.items():
@@ -170,19 +196,12 @@ def compare(args) -> list[dict]:
                 for case in CASES:
                     if case == "streamingllm" and setting != "w32_k7":
                         continue   # no window or kernel: once is enough
-                    request = {"ids": ids, "case": case, "ratio": kvpress_ratio(budget, len(ids)),
-                               "window": window, "kernel": kernel}
-                    worker.stdin.write(json.dumps(request) + "\n")
-                    worker.stdin.flush()
-                    line = worker.stdout.readline()
-                    if not line:
-                        raise RuntimeError("the kvpress worker exited (its error is above)")
-                    theirs = json.loads(line)["kept"]
+                    theirs = worker.ask({"ids": ids, "case": case, "ratio": kvpress_ratio(budget, len(ids)),
+                                         "window": window, "kernel": kernel})["kept"]
                     ours = pcs_kept(model, ids, case, budget, window, kernel)
                     rows.append(summarize(prompt, len(ids), setting, budget, case, ours, theirs))
                     print(format_row(rows[-1]), flush=True)
-    worker.stdin.close()
-    worker.wait()
+    worker.close()
     return rows
 
 
@@ -203,12 +222,16 @@ def format_row(r: dict) -> str:
             f"kept {r['kept_pcs']} / {r['kept_kvpress']}")
 
 
-def write(rows: list[dict], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / "conformance.csv").open("w", newline="") as f:
+def write_csv(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+
+
+def write(rows: list[dict], out: Path) -> None:
+    write_csv(rows, out / "conformance.csv")
     lines = ["# Conformance: pcs (profile=kvpress) against NVIDIA kvpress 0.5.5", "",
              "Share of (layer, KV head) pairs whose kept sets are identical, on the embedded SmolLM2 (30 layers x 3 KV",
              "heads = 90 pairs per cell), written by `make conformance` (scripts/conformance.py).", "",
@@ -228,20 +251,31 @@ def write(rows: list[dict], out: Path) -> None:
     (out / "README.md").write_text("\n".join(lines))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(doc: str, worker, add_arguments) -> argparse.Namespace | None:
+    """A kvpress script's options: where kvpress lives and where results go, ``add_arguments``'s own, and the
+    hidden worker mode, in which ``worker(model_dir)`` runs (kvpress's side) and None is returned."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--kvpress-python", help="the Python of an environment with kvpress 0.5.5")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
-    parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 640])
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "conformance")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    add_arguments(parser)
     args = parser.parse_args()
     if args.worker:
-        kvpress_worker(args.model_dir)
-        return 0
+        worker(args.model_dir)
+        return None
     if not args.kvpress_python:
         parser.error("--kvpress-python is required (make conformance builds .venv-kvpress)")
+    return args
+
+
+def main() -> int:
+    def add_arguments(parser):
+        parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
+        parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 640])
+    args = arguments(__doc__, kvpress_worker, add_arguments)
+    if args is None:
+        return 0
     rows = compare(args)
     write(rows, args.out)
     below = [r for r in rows if r["identical"] < r["pairs"]]

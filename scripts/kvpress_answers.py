@@ -14,14 +14,12 @@ exits 1 if any answer differs.
 """
 from __future__ import annotations
 
-import argparse
-import csv
 import json
-import subprocess
 import sys
 from pathlib import Path
 
-from conformance import CASES, FLOOR, PRESSES, ROOT, kvpress_press
+from conformance import (CASES, FLOOR, PRESSES, ROOT, KvpressWorker, arguments, embedded_model, kvpress_press,
+                         write_csv)
 
 WINDOW, KERNEL = 32, 7
 ANSWER_CASES = ["snapkv", "adakv", "criticalkv", "criticaladakv"]
@@ -78,12 +76,10 @@ def compare(args) -> list[dict]:
     from pcs.config import compose
     from pcs.eviction import build_method
     from pcs.eviction.conventions import kvpress_ratio
-    from pcs.models import load_model, stop_token_ids, weights_location
+    from pcs.models import stop_token_ids
     from pcs.runner import checked
-    model_cfg = compose(["model=smollm2", "model.device=cpu"]).model
-    model, tokenizer = load_model(model_cfg)
-    worker = subprocess.Popen([args.kvpress_python, __file__, "--worker", "--model-dir", weights_location(model_cfg)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    model_cfg, model, tokenizer = embedded_model()
+    worker = KvpressWorker(args.kvpress_python, __file__, model_cfg)
     rows = []
     for setting, (query_aware, budgets) in SETTINGS.items():
         cfg = compose(["benchmark=ruler", "benchmark.tasks=[niah_single_1,niah_single_2,niah_single_3]",
@@ -106,15 +102,9 @@ def compare(args) -> list[dict]:
             for (case, budget), tokens in ours.items():
                 # A budget of the whole context keeps everything in pcs; kvpress refuses a negative ratio.
                 ratio = max(0.0, kvpress_ratio(budget, len(prompt.context)))
-                request = {"context": prompt.context, "question": prompt.question, "case": case,
-                           "ratio": ratio, "window": WINDOW, "kernel": KERNEL,
-                           "stops": sorted(stops), "max_new_tokens": sample.max_new_tokens}
-                worker.stdin.write(json.dumps(request) + "\n")
-                worker.stdin.flush()
-                line = worker.stdout.readline()
-                if not line:
-                    raise RuntimeError("the kvpress worker exited (its error is above)")
-                theirs = json.loads(line)["tokens"]
+                theirs = worker.ask({"context": prompt.context, "question": prompt.question, "case": case,
+                                     "ratio": ratio, "window": WINDOW, "kernel": KERNEL, "stops": sorted(stops),
+                                     "max_new_tokens": sample.max_new_tokens})["tokens"]
                 row = {"setting": setting, "sample": sample.id, "pcs": case, "kvpress": PRESSES[case],
                        "budget": budget, "identical": tokens == theirs,
                        "answer_pcs": tokenizer.decode(tokens), "answer_kvpress": tokenizer.decode(theirs),
@@ -124,17 +114,12 @@ def compare(args) -> list[dict]:
                 print(f"{setting:<16} {sample.id:<22} {case:<14} b{budget:<5} "
                       f"{'same' if row['identical'] else 'DIFFERENT'}  pcs {row['answer_pcs']!r}  "
                       f"kvpress {row['answer_kvpress']!r}", flush=True)
-    worker.stdin.close()
-    worker.wait()
+    worker.close()
     return rows
 
 
 def write(rows: list[dict], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / "answers.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, out / "answers.csv")
     lines = ["# Answers: pcs (profile=kvpress) against NVIDIA kvpress 0.5.5", "",
              "Greedy answers decoded on the compressed cache, token for token, on the embedded SmolLM2 and RULER",
              "samples at 2,048 tokens; written by `make conformance-answers` (scripts/kvpress_answers.py).", "",
@@ -154,18 +139,10 @@ def write(rows: list[dict], out: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kvpress-python", help="the Python of an environment with kvpress 0.5.5")
-    parser.add_argument("--samples", type=int, default=2, help="the first samples of each task")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "conformance")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        kvpress_worker(args.model_dir)
+    args = arguments(__doc__, kvpress_worker, lambda parser: parser.add_argument(
+        "--samples", type=int, default=2, help="the first samples of each task"))
+    if args is None:
         return 0
-    if not args.kvpress_python:
-        parser.error("--kvpress-python is required (make conformance builds .venv-kvpress)")
     rows = compare(args)
     write(rows, args.out)
     different = [r for r in rows if not r["identical"]]
