@@ -47,6 +47,21 @@ def test_samples_fit_are_cached_and_identical(embedded_dir, tmp_path):
         assert any(found) if s.meta["task"].startswith("qa") else all(found)   # qa: one annotator's answer will do
 
 
+def test_a_list_of_counts_gives_each_task_the_first_samples_of_a_larger_count(embedded_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    settings = ("benchmark=ruler", "benchmark.lengths=[1024]", "benchmark.tasks=[niah_single_1,niah_single_3]")
+    def samples(counts, folder):
+        bench = build_benchmark(compose_cfg(*settings, f"benchmark.n_samples={counts}", f"benchmark.cache_dir={folder}"))
+        bench.check()
+        return bench.samples(tokenizer)
+    each = samples("[3,1]", tmp_path / "each")
+    more = samples("3", tmp_path / "more")
+    assert [s.id for s in each] == [s.id for s in more][:4]
+    assert each == more[:4]      # RULER draws a task's samples one after another: the first 1 of 3 is the 1
+    with pytest.raises(ValueError, match="one per task"):
+        build_benchmark(compose_cfg(*settings, "benchmark.n_samples=[3]")).check()
+
+
 def test_the_question_is_fed_after_compression_when_not_query_aware(embedded_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
     bench, cfg = ruler(tmp_path, "benchmark.query_aware=false")

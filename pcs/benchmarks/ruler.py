@@ -69,6 +69,12 @@ class Ruler(Benchmark):
         unknown = [t for t in self.cfg.tasks if t not in TASKS]
         if unknown:
             raise ValueError(f"benchmark.tasks: {unknown} are not RULER tasks; choose from: {', '.join(TASKS)}")
+        counts = [self.cfg.n_samples] if isinstance(self.cfg.n_samples, int) else list(self.cfg.n_samples)
+        if not isinstance(self.cfg.n_samples, int) and len(counts) != len(self.cfg.tasks):
+            raise ValueError(f"benchmark.n_samples lists {len(counts)} counts for {len(self.cfg.tasks)} tasks: "
+                             "give one count, or one per task of benchmark.tasks, in order")
+        if any(not isinstance(n, int) or n < 1 for n in counts):
+            raise ValueError(f"benchmark.n_samples={counts}: counts of samples are positive integers")
         if self.cfg.normalize not in NORMALIZE:
             raise ValueError(f"benchmark.normalize={self.cfg.normalize!r}: choose ruler or kvpress")
         short = [n for n in self.lengths if n < 512]
@@ -83,6 +89,12 @@ class Ruler(Benchmark):
         for task in self.cfg.tasks:
             if task in QA_SOURCES:
                 qa_file(task, self.cfg.qa_dir)
+
+    def n_samples(self, task: str) -> int:
+        """Samples per length of ``task``: ``benchmark.n_samples``, or its entry for the task where it is a list
+        (RULER draws a task's samples one after another, so a smaller count gives the first of a larger one)."""
+        counts = self.cfg.n_samples
+        return counts if isinstance(counts, int) else counts[list(self.cfg.tasks).index(task)]
 
     @cached_property
     def lengths(self) -> list[int]:
@@ -117,13 +129,13 @@ class Ruler(Benchmark):
         """RULER's samples of one task and length, from the cache or generated (then cached)."""
         if task in QA_SOURCES:
             sources = sha256_text(sources + sha256_files([qa_file(task, self.cfg.qa_dir)]))
-        key = [GENERATOR_VERSION, task, length, self.cfg.n_samples, self.cfg.seed, sources]
+        key = [GENERATOR_VERSION, task, length, self.n_samples(task), self.cfg.seed, sources]
         folder = Path(self.cfg.cache_dir or default_cache_dir() / "ruler")
         path = folder / f"{task}_{length}_{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:20]}.jsonl"
         if path.exists():
             return [json.loads(line) for line in path.read_text().splitlines()]
         count = lambda text: len(tokenizer.tokenize(text))
-        rows = generate(task, count, length, self.cfg.n_samples, self.cfg.seed, self.words,
+        rows = generate(task, count, length, self.n_samples(task), self.cfg.seed, self.words,
                         self.essay if TASKS[task].essay else None, self.vocabulary if task == "cwe" else None,
                         self.qa(task) if task in QA_SOURCES else None)
         folder.mkdir(parents=True, exist_ok=True)
