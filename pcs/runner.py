@@ -166,7 +166,8 @@ def summarize(cell: Cell, model, started_at: str, wall_time_s: float, group_size
         **({"peak_kv_bytes": max(r["peak_kv_bytes"] for r in rows)} if "peak_kv_bytes" in rows[0] else {}),
         **({"max_kv_entries": max(r["max_kv_entries"] for r in rows),
             "n_compressions": sum(r["n_compressions"] for r in rows)} if "max_kv_entries" in rows[0] else {}),
-        "wall_time_s": wall_time_s,                 # of the whole group
+        "wall_time_s": wall_time_s,                 # of the whole group, in this invocation
+        "n_resumed": len(cell.done),                # samples answered by earlier invocations (not in wall_time_s)
         "group_size": group_size,                   # runs that shared the model and each sample's prefill
         **provenance(cell.cfg, model, started_at, cell.benchmark.data_hashes()),
     })

@@ -61,6 +61,7 @@ def test_interrupted_run_resumes_at_first_missing_sample(tiny_model_dir, tmp_pat
     run(cfg)
     d = folder(tmp_path, cfg)
     complete = (d / "predictions.jsonl").read_text().splitlines()
+    assert json.loads((d / "metrics.json").read_text())["n_resumed"] == 0
     # Simulate a crash: two samples done, a third torn mid-write, no metrics.
     (d / "metrics.json").unlink()
     (d / "predictions.jsonl").write_text("\n".join(complete[:2]) + "\n" + complete[2][:25])
@@ -70,7 +71,7 @@ def test_interrupted_run_resumes_at_first_missing_sample(tiny_model_dir, tmp_pat
     assert resumed[:2] == complete[:2]
     strip = lambda l: {k: v for k, v in json.loads(l).items() if k not in ("prefill_s", "decode_s")}
     assert [strip(l) for l in resumed] == [strip(l) for l in complete]   # greedy: same outputs
-    assert (d / "metrics.json").exists()
+    assert json.loads((d / "metrics.json").read_text())["n_resumed"] == 2   # wall_time_s: the other samples'
 
 
 def test_folder_with_another_config_is_refused(tiny_model_dir, tmp_path):
