@@ -4,9 +4,9 @@
 #   perturbation analysis: snapkv and adakv at budget 128
 #   laprox: the needle test at budgets 64, 128, 256; the needle grid at about 5 % of the context for every
 #   method (experiment laprox_embedded); the perturbation analysis of laprox beside the three methods
-#   ruler: niah_single_1/2/3 at 2,048 tokens, snapkv and adakv x selections, the question inside the compressed
-#   context at budgets 256, 512 (experiment ruler_embedded; 500, 500 and 100 samples, 500 being RULER's number) and
-#   fed after it at 1,024, 1,536 (ruler_embedded_question_after; 200, 200, 100): the longest part, about 7 h on 2 cores
+#   ruler: niah_single_1/2 at 2,048 tokens, snapkv and adakv x selections, the question inside the compressed
+#   context at budgets 256, 512 (experiment ruler_embedded; 500 samples each, RULER's number) and fed after it at
+#   1,024, 1,536 (ruler_embedded_question_after; 200 and 300): the longest part, about 5 h on 2 cores
 # Finished runs are skipped, so the script can be rerun after an interruption (about 75 min on 2 CPU cores
 # before runs shared their prefills).
 set -euo pipefail
