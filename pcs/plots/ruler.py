@@ -13,7 +13,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from ..identity import RunIdentity  # noqa: E402
 from ..run_folder import load_config  # noqa: E402
 
-STYLES = {"attention": "-", "perturbation": "--"}   # other selections: dotted
+# A selection's line and marker: the marker tells the selections apart where a run has one length (a point).
+STYLES = {"attention": ("-", "o"), "perturbation": ("--", "^")}   # other selections: dotted, squares
 
 
 def curve(run_dir: Path) -> tuple[list[int], list[float]]:
@@ -39,7 +40,8 @@ def score_by_length(run_dirs: list[Path], path: Path, title: str) -> Path | None
         methods = sorted({m for m, _, _ in mine})
         colors = {m: plt.cm.tab10(i) for i, m in enumerate(methods)}
         for method, selection, run_dir in mine:
-            ax.plot(*curve(run_dir), color=colors[method], linestyle=STYLES.get(selection, ":"), marker="o",
+            line, marker = STYLES.get(selection, (":", "s"))
+            ax.plot(*curve(run_dir), color=colors[method], linestyle=line, marker=marker,
                     label=f"{method} / {selection}")
         ax.set_title(f"budget {budget}", fontsize=9)
         ax.set_xlabel("context length (tokens)")
