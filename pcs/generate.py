@@ -9,7 +9,7 @@ from typing import Iterable, Iterator
 import torch
 
 from .benchmarks.base import Sample
-from .engine import Cell, DecodePool, Generation, decode, prefill
+from .engine import Arrival, Cell, DecodePool, Generation, decode
 from .eviction.base import Method
 from .prompts import PromptIds
 
@@ -36,9 +36,9 @@ def greedy_generate_each(model, input_ids: torch.Tensor, methods: list[Method], 
                          triggers: list[int | None] | None = None, pool: int = 1) -> list[Generation]:
     """Greedy answers to one prompt, one per method, on one shared prefill, decoded ``pool`` at a time."""
     cells = [Cell(method, trigger) for method, trigger in zip(methods, triggers or [None] * len(methods))]
-    sequences = prefill(model, input_ids, cells, max_new_tokens, stop_token_ids, question_ids, min_new_tokens,
-                        owners=list(range(len(cells))))
-    done = {seq.owner: seq.result for seq in decode(DecodePool(model, pool), [sequences])}
+    arrival = Arrival(model, input_ids, cells, max_new_tokens, stop_token_ids, question_ids, min_new_tokens,
+                      owners=list(range(len(cells))))
+    done = {seq.owner: seq.result for seq in decode(DecodePool(model, pool), [arrival])}
     return [done[i] for i in range(len(cells))]
 
 
@@ -65,9 +65,9 @@ def generate_rows(requests: Iterable[Request], pool: DecodePool) -> Iterator[tup
             stops = cells[0].stop_token_ids | {tokenizer.encode(t, add_special_tokens=False)[-1]
                                                for t in sample.stop_texts}
             question = None if prompt.question is None else torch.tensor([prompt.question])
-            yield prefill(model, torch.tensor([prompt.context]), [Cell(c.method, c.cfg.compress.trigger) for c in cells],
+            yield Arrival(model, torch.tensor([prompt.context]), [Cell(c.method, c.cfg.compress.trigger) for c in cells],
                           sample.max_new_tokens, stops, question, sample.min_new_tokens,
-                          owners=[(sample, prompt, cells[0].tokenizer, i) for i in range(len(cells))])
+                          owners=[(sample, prompt, cells[0].tokenizer, i) for i in range(len(cells))], name=sample.id)
 
     for seq in decode(pool, arrivals()):
         sample, prompt, tokenizer, index = seq.owner

@@ -9,12 +9,12 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from .benchmarks.base import build_benchmark
 from .config import ConfigError, validate
-from .engine import open_pool
+from .engine import DoesNotFit, open_pool
 from .eviction import build_method
 from .generate import RunContext, generate_rows
 from .identity import PER_CELL, RunIdentity
@@ -154,22 +154,43 @@ def execute(cells: list[Cell], shard: tuple[int, int] = (0, 1)) -> list[dict | N
         name = first.identity.folder if len(cells) == 1 else f"{len(cells)} runs sharing each prefill"
         todo = sum(len({s.id for s in mine} - cell.done) for cell in cells)
         bar = tqdm(total=todo, desc=name, disable=not first.cfg.progress, unit="answer", dynamic_ncols=True)
-        for sample, index, output in step(requests(), pool):
-            cell = asked[sample.id][index]
-            score = cell.benchmark.score({**output, **sample.meta})
-            row = {"id": sample.id, "prediction": output.pop("prediction"), "score": score, **output, **sample.meta}
-            cell.out.write(json.dumps(row, ensure_ascii=False) + "\n")
-            cell.out.flush()
-            cell.rows.append(row)
-            bar.update(1)
-            bar.set_postfix_str(speed.add(row), refresh=False)
-        bar.close()
+        try:
+            for sample, index, output in step(requests(), pool):
+                cell = asked[sample.id][index]
+                score = cell.benchmark.score({**output, **sample.meta})
+                row = {"id": sample.id, "prediction": output.pop("prediction"), "score": score, **output,
+                       **sample.meta}
+                cell.out.write(json.dumps(row, ensure_ascii=False) + "\n")
+                cell.out.flush()
+                cell.rows.append(row)
+                bar.update(1)
+                bar.set_postfix_str(speed.add(row), refresh=False)
+        except DoesNotFit as err:
+            raise SampleDoesNotFit(advice(err, first, pool)) from err
+        finally:
+            bar.close()
     wall_time_s = round(time.time() - started, 2)
     order = {sample.id: i for i, sample in enumerate(samples)}
     engine_used = {"pool": pool.size, "cuda_graphs": pool.graphs is not None}
     return [merged(cell, samples, shard, lambda c: summarize(c, model, started_at, wall_time_s, len(cells), order,
                                                             engine_used, shard[1]))
             for cell in cells]
+
+
+class SampleDoesNotFit(RuntimeError):
+    """A sample that ran out of device memory alone; the message says what would make it fit."""
+
+
+def advice(err: DoesNotFit, cell: Cell, pool) -> str:
+    """What to change when a sample does not fit in device memory with nothing else in flight."""
+    knob = cell.benchmark.prompt_length_knob
+    fixes = ([f"shorter prompts ({knob}, now {OmegaConf.select(cell.cfg, knob)})"] if knob else []) + [
+        f"model.device_map=auto, the model's layers spread over every visible GPU (now "
+        f"{cell.cfg.model.get('device_map')})", "a device with more memory"]
+    return (f"sample {err.name} ({err.tokens:,} prompt tokens) does not fit in {err.device} memory (out of memory "
+            f"{err.stage}). Every answer finished before it is saved, and a rerun resumes from them. It was tried "
+            f"alone (engine.pool={pool.size} had gone down to {pool.limit} in flight and its buffers were freed), so "
+            f"a smaller pool will not make it fit; what would: " + "; ".join(fixes) + ".")
 
 
 def merged(cell: Cell, samples: list, shard: tuple[int, int], summary) -> dict | None:

@@ -103,7 +103,7 @@ def test_bench_runs_long_contexts_in_bfloat16():
 def test_cuda_graph_decoding_gives_eager_tokens_and_never_syncs_inside_a_step():
     """The decode pool replaying captured graphs (pool-size buckets 1 to 8, sequences joining and leaving) gives the
     tokens of eager steps; a replayed forward makes no host synchronisation (the step's one is reading its tokens)."""
-    from pcs.engine import Cell, DecodePool, decode, prefill
+    from pcs.engine import Arrival, Cell, DecodePool, decode, prefill
     model = tiny_model("llama").cuda()
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 256, (1, n), generator=g).cuda() for n in (120, 200, 90)]
@@ -111,7 +111,7 @@ def test_cuda_graph_decoding_gives_eager_tokens_and_never_syncs_inside_a_step():
 
     def answers(graphs):
         pool = DecodePool(model, 8, graphs)
-        arrivals = (prefill(model, ids, [Cell(method(c)) for c in cells], 10 + 3 * i, set(),
+        arrivals = (Arrival(model, ids, [Cell(method(c)) for c in cells], 10 + 3 * i, set(),
                             owners=[(i, j) for j in range(len(cells))]) for i, ids in enumerate(prompts))
         return {seq.owner: seq.result.token_ids for seq in decode(pool, arrivals)}, pool
 

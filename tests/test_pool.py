@@ -17,7 +17,7 @@ import torch
 
 from pcs.cache import CompressedCache
 from pcs.compression import CompressionStats, compress_after_prefill, compress_each_after_prefill, recompress_when_full
-from pcs.engine import Cell, DecodePool, decode, prefill
+from pcs.engine import Arrival, Cell, DecodePool, decode
 from pcs.engine.pool import PoolCache
 from pcs.eviction import build_method
 
@@ -118,7 +118,7 @@ def compare(model, sample_list, cells, sizes=(1, 3, 8), triggers=None):
                 s = sample_list[i]
                 cell_order = list(range(len(cells)))
                 rng.shuffle(cell_order)
-                yield prefill(model, s["ids"], [Cell(build(cells[j]), triggers[j]) for j in cell_order], s["max_new"],
+                yield Arrival(model, s["ids"], [Cell(build(cells[j]), triggers[j]) for j in cell_order], s["max_new"],
                               s["stops"], s["question"], s["min_new"], owners=[(i, j) for j in cell_order])
 
         got = {seq.owner: seq.result for seq in decode(DecodePool(model, size), arrivals())}

@@ -34,6 +34,7 @@ class Sample:
 class Benchmark:
     """Interface: ``check()`` fails fast before the model loads; ``samples()`` may need the tokenizer."""
     step = "generate"
+    prompt_length_knob: str | None = None   # the option that shortens its prompts (named when one does not fit)
 
     def __init__(self, cfg: DictConfig):
         self.run_cfg = cfg              # the whole config

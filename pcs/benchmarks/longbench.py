@@ -34,6 +34,8 @@ def truncate_middle(tokenizer, prompt: str, max_length: int) -> str:
 
 
 class LongBench(Benchmark):
+    prompt_length_knob = "model.max_length"
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.records: dict[str, list[dict]] = {}

@@ -53,6 +53,8 @@ class Haystack:
 
 
 class Needle(Benchmark):
+    prompt_length_knob = "benchmark.context_lengths"
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.scorer = rouge_scorer.RougeScorer(["rouge1"], use_stemmer=True)

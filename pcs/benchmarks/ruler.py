@@ -61,6 +61,8 @@ def qa_file(task: str, qa_dir: str | None) -> Path:
 
 
 class Ruler(Benchmark):
+    prompt_length_knob = "benchmark.lengths"
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.digests: dict[str, str] = {}    # per task and length, the samples' SHA-256 (provenance)

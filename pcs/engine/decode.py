@@ -14,6 +14,12 @@ forward for every sequence in flight, top to bottom:
 ``decode`` admits sequences as slots free up, asking for the next sample's only when none wait, so a
 sample is prefilled once for all its cells while the others decode. Each sequence gets the tokens batch-1
 decoding gives it, up to the rounding of batched kernels (``tests/test_pool.py`` says how near).
+
+Out of device memory, ``decode`` keeps going with fewer answers in flight and loses no finished answer: a
+prefill waits for the answers in flight to finish and is tried again alone; a sequence that cannot join waits
+and the pool admits no more than it holds; a step's answers in flight are dropped (their state may be half
+written), the pool takes half as many from then on, and their cells are prefilled again. A prompt that does not
+fit with nothing else in flight raises ``DoesNotFit``.
 """
 from __future__ import annotations
 
@@ -69,6 +75,7 @@ class Sequence:
     stats: CompressionStats = field(default_factory=CompressionStats)
     n_queries: int = 0               # its newest queries each layer remembers (decoding-time compression)
     joined_at: float = 0.0
+    source: tuple | None = None      # (Arrival, cell index): how to prefill it again
 
     def room(self) -> int:
         """Entries each head may still add: one per token fed."""
@@ -80,28 +87,56 @@ class Sequence:
         return self
 
 
+class DoesNotFit(RuntimeError):
+    """A prompt that ran out of device memory with no other answer in flight and the pool's buffers freed."""
+
+    def __init__(self, arrival, stage: str, device: torch.device, err: BaseException):
+        self.name, self.tokens, self.stage, self.device = arrival.name, arrival.tokens, stage, device
+        super().__init__(f"{arrival.name} ({arrival.tokens:,} tokens) does not fit in {device} memory alone "
+                         f"(out of memory {stage}): {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+
+
+class StepOutOfMemory(Exception):
+    """A step ran out of device memory: the answers it finished before, and the sequences that were in flight
+    (dropped from the pool, whose buffers may be half written until ``release``)."""
+
+    def __init__(self, finished: list[Sequence], in_flight: list[Sequence]):
+        super().__init__(f"out of memory decoding {len(in_flight)} answers")
+        self.finished, self.in_flight = finished, in_flight
+
+
 class DecodePool:
     """Up to ``size`` sequences decoding together (see the module's docstring)."""
 
     def __init__(self, model, size: int, graphs: bool = False):
         self.model, self.size = model, size
+        self.limit = size          # answers admitted in flight: lowered when the device runs out of memory
         self.device = next(model.parameters()).device
-        self.cache = PoolCache(model.config, model.dtype, self.device, max(size, 1))
-        self.layers = self.cache.layers
-        self.sequences: list[Sequence] = []            # slot order
-        self.logits = self.stop_mask = None            # (slots, vocab), allocated with the first sequence
-        self.queries: list[torch.Tensor] | None = None   # per layer (slots, H_q, window, d), when a trigger is set
-        self.o_proj = [m.o_proj.weight for m in attention_modules(model)]
-        self.graphs = None
-        if graphs:
-            from .graphs import StepGraphs
-            self.graphs = StepGraphs(self)
+        self.use_graphs = graphs
         self.tokens = 0            # tokens decoded by the pool
         self.busy_s = 0.0          # seconds spent in its steps
+        self.o_proj = [m.o_proj.weight for m in attention_modules(model)]
+        self.sequences: list[Sequence] = []            # slot order
+        self.release()
+
+    def release(self) -> None:
+        """Fresh, smallest buffers (the empty pool's grown ones, and their captured graphs, are freed)."""
+        assert not self.sequences, "release() with sequences in flight"
+        self.cache = PoolCache(self.model.config, self.model.dtype, self.device, max(self.size, 1))
+        self.layers = self.cache.layers
+        self.logits = self.stop_mask = None            # (slots, vocab), allocated with the first sequence
+        self.queries: list[torch.Tensor] | None = None   # per layer (slots, H_q, window, d), when a trigger is set
+        self.graphs = None
+        if self.use_graphs:
+            from .graphs import StepGraphs
+            self.graphs = StepGraphs(self)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.released = True       # nothing to free until a sequence joins
 
     @property
     def free(self) -> int:
-        return self.size - len(self.sequences)
+        return min(self.size, self.limit) - len(self.sequences)
 
     def admits(self, seq: Sequence) -> bool:
         """Whether ``seq`` may join now: a slot is free and the buffers it would grow (with their old copies, alive
@@ -120,19 +155,28 @@ class DecodePool:
         return grown * 1.1 < free_memory(self.device)
 
     # -- joining and leaving ---------------------------------------------------------------------------------
+    @torch.inference_mode()          # as the step: buffers the step grew are inference tensors
     def join(self, seq: Sequence) -> None:
-        """The sequence takes the next slot: its cache's entries, its logits, its stop tokens."""
+        """The sequence takes the next slot: its cache's entries, its logits, its stop tokens. Out of memory, the
+        slot is left free and the sequence keeps its batch-1 cache."""
         slot = len(self.sequences)
         room = seq.room()
-        for layer, held in zip(self.layers, seq.cache.layers):
-            layer.load(slot, held, room)
-        self.reserve_rows(slot + 1, seq.logits.shape[-1])
-        self.logits[slot] = seq.logits
-        self.stop_mask[slot] = False
-        if seq.stops:
-            self.stop_mask[slot, list(seq.stops)] = True
-        if seq.trigger is not None:
-            self.remember_window(slot, seq)
+        self.released = False
+        try:
+            for layer, held in zip(self.layers, seq.cache.layers):
+                layer.load(slot, held, room)
+            self.reserve_rows(slot + 1, seq.logits.shape[-1])
+            self.logits[slot] = seq.logits
+            self.stop_mask[slot] = False
+            if seq.stops:
+                self.stop_mask[slot, list(seq.stops)] = True
+            if seq.trigger is not None:
+                self.remember_window(slot, seq)
+        except torch.OutOfMemoryError:
+            for layer in self.layers:
+                if slot < layer.slots:
+                    layer.free(slot)
+            raise
         seq.cache = seq.logits = None
         seq.stats.max_kv_entries = max(seq.stats.max_kv_entries, self.cache.longest(slot))
         seq.joined_at = time.perf_counter()
@@ -222,8 +266,12 @@ class DecodePool:
         for slot in reversed(done):
             self.leave(slot)
         if self.sequences:
-            self.forward()
-            self.recompress_full_layers()
+            try:
+                self.forward()
+                self.recompress_full_layers()
+            except torch.OutOfMemoryError as err:
+                in_flight, self.sequences = self.sequences, []       # the caller frees the buffers (release)
+                raise StepOutOfMemory([seq.finished() for seq in finished], in_flight) from err
         self.tokens += live
         self.busy_s += time.perf_counter() - start
         return [seq.finished() for seq in finished]
@@ -273,33 +321,89 @@ class DecodePool:
                     layer.load(slot, row, seq.room())
 
 
-def decode(pool: DecodePool, arrivals: Iterable[list[Sequence]]) -> Iterator[Sequence]:
-    """Every sequence of ``arrivals`` decoded, yielded as it finishes. ``arrivals`` gives one list per sample
-    (its cells, after their shared prefill); it is asked for the next only when no sequence waits and a slot
-    is free, so prefills interleave with decoding and at most one sample's cells wait outside the pool."""
+def decode(pool: DecodePool, arrivals: Iterable) -> Iterator[Sequence]:
+    """Every cell of every ``Arrival`` decoded, yielded as it finishes. An arrival is prefilled only when no
+    sequence waits and a slot is free, so prefills interleave with decoding and at most one sample's cells wait
+    outside the pool. Out of device memory, fewer answers go on in flight (the module's docstring)."""
     arrivals = iter(arrivals)
+    again: deque[tuple] = deque()    # (arrival, cells) to prefill again before new arrivals
     waiting: deque[Sequence] = deque()
-    more = True
+    more, drain = True, False        # drain: a prefill waits for the answers in flight to finish
     while True:
-        while pool.free and (waiting or more):
-            if not waiting:
-                batch = next(arrivals, None)
-                if batch is None:
+        while pool.free and not drain:
+            if waiting:
+                seq = waiting[0]
+                if seq.max_new_tokens == 0:
+                    yield waiting.popleft().finished()
+                    continue
+                if not pool.admits(seq):
+                    break
+                try:
+                    pool.join(seq)
+                except torch.OutOfMemoryError as err:
+                    if pool.sequences:
+                        pool.limit = len(pool.sequences)
+                        say(f"out of memory admitting {seq.source[0].name}: at most {pool.limit} answers in flight "
+                            f"from now on")
+                        break
+                    if pool.released:
+                        raise DoesNotFit(seq.source[0], "joining the decode pool", pool.device, err) from err
+                    pool.release()
+                    continue
+                waiting.popleft()
+                continue
+            if again:
+                arrival, which = again.popleft()
+            else:
+                arrival, which = next(arrivals, None), None
+                if arrival is None:
                     more = False
                     break
-                waiting.extend(batch)
-                continue
-            if waiting[0].max_new_tokens == 0:
-                yield waiting.popleft().finished()
-            elif pool.admits(waiting[0]):
-                pool.join(waiting.popleft())
-            else:
-                break
+            try:
+                waiting.extend(arrival.prefill(which))
+            except torch.OutOfMemoryError as err:
+                if pool.sequences:
+                    say(f"out of memory prefilling {arrival.name} ({arrival.tokens:,} tokens) with "
+                        f"{len(pool.sequences)} answers in flight: it is prefilled alone once they finish")
+                    drain = True
+                elif pool.released:
+                    raise DoesNotFit(arrival, "in its prefill", pool.device, err) from err
+                else:
+                    pool.release()
+                again.appendleft((arrival, which))
         if not pool.sequences:
-            if not waiting and not more:
+            if drain:
+                pool.release()
+                drain = False
+                continue
+            if not waiting and not again and not more:
                 return
             continue
-        yield from pool.step()
+        try:
+            yield from pool.step()
+        except StepOutOfMemory as oom:
+            pool.release()
+            yield from oom.finished
+            if len(oom.in_flight) == 1:
+                (seq,) = oom.in_flight
+                raise DoesNotFit(seq.source[0], "decoding", pool.device, oom.__cause__) from oom.__cause__
+            pool.limit = max(1, len(oom.in_flight) // 2)
+            say(f"out of memory decoding {len(oom.in_flight)} answers: they start again from their prefills, at "
+                f"most {pool.limit} in flight from now on")
+            again.extend(cells_of(oom.in_flight))
+
+
+def cells_of(sequences: list[Sequence]) -> list[tuple]:
+    """(arrival, its cells) of each arrival among ``sequences``, in order."""
+    grouped: dict[int, tuple] = {}
+    for seq in sequences:
+        arrival, index = seq.source
+        grouped.setdefault(id(arrival), (arrival, []))[1].append(index)
+    return list(grouped.values())
+
+
+def say(text: str) -> None:
+    print(f"[pcs] {text}", flush=True)
 
 
 CPU_POOL = 32          # engine.pool=null on a CPU: the size that measured best here (results/bench/README.md)

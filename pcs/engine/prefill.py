@@ -20,6 +20,35 @@ class Cell:
     trigger: int | None = None
 
 
+@dataclass
+class Arrival:
+    """A prompt and the cells that answer it, prefilled when the decode pool asks for it (``decode``), and asked
+    again for the cells whose answers were in flight when a decoding step ran out of device memory."""
+    model: object
+    input_ids: torch.Tensor                  # (1, n) the prompt (the context, when the question comes after)
+    cells: list[Cell]
+    max_new_tokens: int
+    stops: set[int]
+    question_ids: torch.Tensor | None = None
+    min_new_tokens: int = 0
+    owners: list | None = None               # the caller's key of each cell's answer
+    name: str = "a prompt"                   # what an out-of-memory error calls it (a sample's id)
+
+    @property
+    def tokens(self) -> int:
+        return self.input_ids.shape[1] + (0 if self.question_ids is None else self.question_ids.shape[1])
+
+    def prefill(self, which: list[int] | None = None) -> list[Sequence]:
+        """The sequences of cells ``which`` (all by default), after one shared prefill."""
+        which = list(range(len(self.cells))) if which is None else which
+        owners = self.owners or [None] * len(self.cells)
+        sequences = prefill(self.model, self.input_ids, [self.cells[i] for i in which], self.max_new_tokens,
+                            self.stops, self.question_ids, self.min_new_tokens, [owners[i] for i in which])
+        for i, seq in zip(which, sequences):
+            seq.source = (self, i)
+        return sequences
+
+
 def full_kv_bytes(config, n_tokens: int, dtype: torch.dtype) -> int:
     """Bytes of an uncompressed K and V cache for ``n_tokens`` over all layers."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
