@@ -117,6 +117,7 @@ def all_rows(run_dir: Path) -> list[dict]:
 # What ``python -m pcs.status`` reads besides the rows: the run's sample count, and per job folder (the run's or a
 # shard's) who is working in it and how its last job failed.
 SAMPLES, RUNNING, ERROR = "samples.json", "running.json", "error.txt"
+INTERRUPTED = "interrupted"      # how error.txt starts for a job stopped from outside (not a failure of its own)
 
 
 def note_samples(run_dir: Path, n_samples: int) -> None:
@@ -137,8 +138,12 @@ def working(out_dir: Path):
                                                 "since": datetime.now(timezone.utc).isoformat(timespec="seconds")})
     try:
         yield
-    except BaseException as err:
+    except Exception as err:
         write_text_atomic(Path(out_dir) / ERROR, f"{type(err).__name__}: {err}".strip() + "\n")
+        raise
+    except BaseException as err:     # submitit's exit after a preemption or time-limit signal, Ctrl-C
+        write_text_atomic(Path(out_dir) / ERROR, f"{INTERRUPTED} ({type(err).__name__}): a requeued or rerun job "
+                                                 f"resumes from the rows on disk\n")
         raise
     finally:
         (Path(out_dir) / RUNNING).unlink(missing_ok=True)

@@ -3,7 +3,8 @@ doing. Torch-free: it reads the run folders only (``pcs.run_folder``).
 
 Per run: samples done of its total (its own rows and every shard's, counted once), finished or not, the jobs
 working in it now (the run's own, or ``shard k/N``; a job of this host whose process is gone is reported as
-stopped), and the last error of a job that failed.
+stopped), and the last error of a job that failed (or ``interrupted``: stopped from outside, by a preemption, a
+time limit or Ctrl-C; a requeued job or a rerun goes on).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import socket
 import sys
 from pathlib import Path
 
-from .run_folder import ERROR, RUNNING, SAMPLES, SHARDS, all_rows, is_finished
+from .run_folder import ERROR, INTERRUPTED, RUNNING, SAMPLES, SHARDS, all_rows, is_finished
 
 
 def job_state(folder: Path) -> str | None:
@@ -57,8 +58,10 @@ def report(results_dir: Path) -> str:
     for run_dir in runs(results_dir):
         status = run_status(run_dir)
         total = "?" if status["total"] is None else status["total"]
+        failed = [e for e in status["errors"] if not e.split(": ", 1)[1].startswith(INTERRUPTED)]
         state = "finished" if status["finished"] else ("running" if any("running" in j for j in status["jobs"])
-                                                        else "failed" if status["errors"] else "not finished")
+                                                        else "failed" if failed else
+                                                        INTERRUPTED if status["errors"] else "not finished")
         lines.append(f"{run_dir.relative_to(results_dir)}  {status['done']}/{total}  {state}")
         lines += [f"    {job}" for job in status["jobs"]] + [f"    last error, {error}" for error in status["errors"]]
     return "\n".join(lines) if lines else f"no runs under {results_dir}"

@@ -162,3 +162,19 @@ def test_status_counts_samples_over_shards_and_names_running_stopped_and_failed_
     assert "stopped" in run_status(folder(cfgs[1]))["jobs"][0]
     proc = subprocess.run([sys.executable, "-m", "pcs.status", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0 and "9/9  failed" in proc.stdout
+
+
+def test_status_tells_a_job_stopped_from_outside_from_a_failure(tiny_model_dir, tmp_path, monkeypatch):
+    """submitit leaves a preempted or timed-out job by SystemExit (after requeueing it): not a failure."""
+    from pcs.status import report
+    cfgs = [needle(tiny_model_dir, tmp_path, *cell) for cell in CELLS]
+
+    def preempted(model_cfg):
+        raise SystemExit(-1)
+
+    monkeypatch.setattr(pcs.runner, "load_model", preempted)
+    with pytest.raises(SystemExit):
+        run_cells(cfgs, shard=(1, 3))
+    text = report(tmp_path)
+    assert f"{RunIdentity(cfgs[0]).folder}  0/?  interrupted" in text        # stopped before it counted samples
+    assert "last error, shard 1/3: interrupted (SystemExit)" in text and "failed" not in text

@@ -7,9 +7,12 @@ one job after another), as a SLURM job array (``hydra/launcher=slurm``) or as lo
 
 import copy
 import json
+import subprocess
 import sys
+import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 from hydra.core.config_store import ConfigStore
@@ -17,9 +20,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, setup_globals
 from hydra.plugins.launcher import Launcher
-from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQueueConf, SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
-from omegaconf import DictConfig, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from pcs.config import ConfigError, positive_int
 from pcs.sweep import describe, plan
@@ -126,7 +129,28 @@ class Grouped:
             return returns(cfgs, job_overrides, JobStatus.COMPLETED, [None] * len(cfgs))
         jobs = [[CELLS + json.dumps({"runs": [list(job_overrides[i]) for i in group], "shard": [k, self.shards]})]
                 for group in groups for k in range(self.shards)]        # one task of the job array each
-        return per_run(len(cfgs), groups, super().launch(jobs, initial_job_idx), self.shards)
+        owners = [group for group in groups for _ in range(self.shards)]      # each job's group
+        done = [result if not isinstance(result, BaseException) else     # a job that ended without its returns
+                returns([cfgs[i] for i in group], [job_overrides[i] for i in group], JobStatus.FAILED,
+                        [result] * len(group))
+                for group, result in zip(owners, collect(self.submit(jobs, initial_job_idx)))]
+        return per_run(len(cfgs), groups, done, self.shards)
+
+    def submit(self, jobs: list[list[str]], initial_job_idx: int) -> list:
+        """The jobs submitted as hydra-submitit-launcher submits a sweep's (its executor, resources, folders and
+        job arguments); they are waited on by ``collect``, not by submitit alone."""
+        import submitit
+        params = dict(self.params)
+        init = {"folder": params.pop("submitit_folder")}
+        if "max_num_timeout" in params:                 # requeues after a time limit (SLURM only)
+            init[f"{self._EXECUTOR}_max_num_timeout"] = params.pop("max_num_timeout")
+        executor = submitit.AutoExecutor(cluster=self._EXECUTOR, **init)
+        shared = set(OmegaConf.structured(BaseQueueConf).keys())
+        executor.update_parameters(**{k if k in shared else f"{self._EXECUTOR}_{k}": v for k, v in params.items()})
+        Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+        arguments = [(list(job), "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{initial_job_idx + i}",
+                      Singleton.get_state()) for i, job in enumerate(jobs)]
+        return executor.map_array(self, *zip(*arguments))
 
     def __call__(self, sweep_overrides, job_dir_key, job_num, job_id, singleton_state) -> list[JobReturn]:
         """Runs on the cluster node: the group's runs, from their override lists."""
@@ -136,6 +160,59 @@ class Grouped:
         job = json.loads(encoded[len(CELLS):])
         cfgs = [cell_config(self.hydra_context, self.config, o, job_num) for o in job["runs"]]
         return run_group(cfgs, job["runs"], job["shard"])
+
+
+# SLURM job states after which a job runs no more; a job that reaches one (or leaves the queue) without writing
+# its result file was cancelled, killed or lost with its node. A requeued job is PENDING again, not ended.
+ENDED = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+         "TIMEOUT"}
+QUEUE_POLL_S = 15          # squeue at most this often
+RESULT_GRACE_S = 15        # for a result file to appear on a shared filesystem after its job ended
+
+
+def queue_states(job_ids: list[str]) -> dict[str, str] | None:
+    """SLURM's state of each job (array tasks one by one) it still knows; None when squeue does not answer."""
+    arrays = sorted({job_id.split("_")[0] for job_id in job_ids})
+    out = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-o", "%i %T", "-j", ",".join(arrays)],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        return {} if "Invalid job id" in out.stderr else None     # every job aged out of the controller
+    return dict(line.split()[:2] for line in out.stdout.splitlines() if len(line.split()) >= 2)
+
+
+def collect(jobs: list) -> list:
+    """Each submitted job's returns, or the exception that ended it. A SLURM job that ends without its result
+    (``scancel``, a node lost, killed out of memory) fails its runs as soon as the queue says so: submitit on its
+    own asks SLURM's accounting (sacct), which a cluster may not run (then it would wait forever) and which it
+    polls only every few minutes. A requeued job is waited for."""
+    slurm = bool(jobs) and type(jobs[0]).__name__ == "SlurmJob"
+    results: dict[int, object] = {}
+    ended: dict[int, tuple[float, str]] = {}      # job -> (when it was first seen ended, its state)
+    last_poll = 0.0
+    while len(results) < len(jobs):
+        states = None
+        if slurm and time.time() - last_poll >= QUEUE_POLL_S:
+            states, last_poll = queue_states([job.job_id for job in jobs]), time.time()
+        for i, job in enumerate(jobs):
+            if i in results:
+                continue
+            if job.paths.result_pickle.exists() or (not slurm and job.done()):
+                try:
+                    results[i] = job.results()[0]
+                except Exception as err:  # noqa: BLE001 - a job that raised, or timed out too often
+                    results[i] = err
+                continue
+            if states is not None:
+                state = states.get(job.job_id)          # None: SLURM no longer knows it
+                if state is None or state in ENDED:
+                    ended.setdefault(i, (time.time(), state or "gone from the queue"))
+                else:
+                    ended.pop(i, None)
+            if i in ended and time.time() - ended[i][0] > RESULT_GRACE_S:
+                results[i] = RuntimeError(f"SLURM job {job.job_id} ended without a result ({ended[i][1]}): "
+                                          f"resubmit the sweep; it resumes from the rows on disk")
+        time.sleep(1)
+    return [results[i] for i in range(len(jobs))]
 
 
 class GroupedSlurmLauncher(Grouped, SlurmLauncher):
