@@ -5,12 +5,22 @@
 #   apt-get install -y slurm-wlm munge
 #   bash scripts/local_slurm.sh start     # about a minute; prints the node's state when it is idle
 #   bash scripts/local_slurm.sh stop      # stops only the daemons this script started (by their pid files)
+#   bash scripts/local_slurm.sh running   # exit status 0 when its controller runs
 set -euo pipefail
 DIR=${PCS_SLURM_DIR:-/tmp/pcs-slurm}
 CONF=/etc/slurm/slurm.conf
 
+running() {
+  [ -s "$DIR/slurmctld.pid" ] && kill -0 "$(cat "$DIR/slurmctld.pid")" 2> /dev/null
+}
+
 start() {
   command -v slurmctld > /dev/null || { echo "slurm-wlm is not installed: apt-get install -y slurm-wlm munge" >&2; exit 2; }
+  if running; then
+    echo "already running (state under $DIR)"
+    sinfo
+    return 0
+  fi
   mkdir -p "$DIR"/{state,spool,log,munge} /etc/slurm /run/munge
   cpus=$(nproc)
   memory=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 2048 ))
@@ -68,5 +78,6 @@ stop() {
 case "${1:-}" in
   start) start ;;
   stop) stop ;;
-  *) echo "usage: $0 start|stop" >&2; exit 2 ;;
+  running) running ;;
+  *) echo "usage: $0 start|stop|running" >&2; exit 2 ;;
 esac

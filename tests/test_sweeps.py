@@ -55,9 +55,9 @@ def test_slurm_launcher_asks_one_gpu_per_job_and_more_for_big_models():
     assert hydra_cfg("experiment=table8", "hydra/launcher=slurm").hydra.launcher.gpus_per_node == 2
 
 
-def test_show_a_sweeps_launcher_config_from_the_command_line():
-    proc = subprocess.run([sys.executable, "run.py", "-m", "experiment=table1", "hydra/launcher=slurm", "--cfg", "hydra"],
-                          cwd=ROOT, capture_output=True, text=True)
+def test_show_a_sweeps_launcher_config_from_the_command_line(tmp_path):
+    proc = subprocess.run([sys.executable, "run.py", "-m", "experiment=table1", "hydra/launcher=slurm",
+                           f"hydra.sweep.dir={tmp_path}", "--cfg", "hydra"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     config, jobs = proc.stdout.split("[pcs] ")
     launcher = OmegaConf.create(config).hydra.launcher
