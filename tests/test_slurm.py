@@ -1,7 +1,8 @@
 """A sharded sweep on a real SLURM (``scripts/local_slurm.sh start``): through ``hydra/launcher=slurm`` with 3
-shards it writes what an unsharded local run writes; a job requeued while it runs resumes from its rows and
-loses and duplicates nothing. Skipped, saying why, where no cluster answers; left out of ``make test``
-(``pytest -m slurm`` runs them)."""
+shards it writes what an unsharded local run writes; a shard's job cancelled mid-run fails the sweep, naming it,
+and the sweep re-submitted completes it; a job requeued while it runs, and a job reaching its time limit
+(submitit checkpoints and requeues it on SLURM's signal), resume from their rows; nothing is lost or duplicated.
+Skipped, saying why, where no cluster answers; left out of ``make test`` (``pytest -m slurm`` runs them)."""
 import json
 import shutil
 import subprocess
@@ -40,11 +41,11 @@ def overrides(results):
     return [f"results_dir={results}", "progress=false", *GRID]
 
 
-def sweep_command(results) -> list[str]:
-    return [sys.executable, "run.py", "-m", *overrides(results), f"method={','.join(METHODS)}",
-            "hydra/launcher=slurm", "hydra.launcher.shards=3", "hydra.launcher.gpus_per_node=null",
+def sweep_command(results, *extra, grid=None, methods=METHODS, shards=3) -> list[str]:
+    return [sys.executable, "run.py", "-m", *(grid or overrides(results)), f"method={','.join(methods)}",
+            "hydra/launcher=slurm", f"hydra.launcher.shards={shards}", "hydra.launcher.gpus_per_node=null",
             "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=2", "hydra.launcher.timeout_min=20",
-            f"hydra.sweep.dir={results}/multirun"]
+            f"hydra.sweep.dir={results}/multirun", *extra]
 
 
 def cfgs(results):
@@ -77,23 +78,21 @@ def cancel_leftovers(tmp_path):
 
 
 def running_job(results, timeout: float = 300) -> tuple[str, int]:
-    """A shard job that has written a row and is still answering: its SLURM id and rows so far."""
+    """A job (a shard's, or a whole run's) that has written a row and is still answering: its SLURM id and rows
+    so far."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        for marker in Path(results).rglob("shards/*/running.json"):
+        for marker in Path(results).rglob("running.json"):
             done = marker.with_name("predictions.jsonl")
-            job = json.loads(marker.read_text()) if marker.exists() else {}
-            n = len(done.read_text().splitlines()) if done.exists() else 0
+            try:
+                job = json.loads(marker.read_text())
+                n = len(done.read_text().splitlines())
+            except (OSError, ValueError):        # the job just ended, or has not answered yet
+                continue
             if n and job.get("slurm_job"):
                 return job["slurm_job"], n
         time.sleep(0.05)
     raise AssertionError("no shard job was seen answering")
-
-
-def wait_for_rows(cfg, at_least: int, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline and len(shard_rows(cfg)) < at_least:
-        time.sleep(0.2)
 
 
 def test_a_sharded_slurm_sweep_writes_what_a_local_run_writes(tmp_path, reference):
@@ -126,3 +125,66 @@ def test_a_requeued_job_resumes_where_it_stopped(tmp_path, reference):
         assert rows(got) == rows(want)
         ids = shard_rows(got)
         assert len(ids) == len(set(ids)) == len(rows(want))
+
+
+def queue_state(job: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+
+
+def test_a_cancelled_shard_fails_the_sweep_and_the_sweep_resubmitted_completes_it(tmp_path, reference):
+    results = tmp_path / "cancelled"
+    sweep = subprocess.Popen(sweep_command(results), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    job, before = running_job(results)
+    subprocess.run(["scancel", job], check=True)
+    out, _ = sweep.communicate(timeout=600)        # the other shards finish; the sweep names the cancelled one
+    assert sweep.returncode != 0 and f"SLURM job {job} ended without a result" in out, out[-3000:]
+    again = subprocess.run(sweep_command(results), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    for got, want in zip(cfgs(results), reference):
+        assert rows(got) == rows(want)
+        ids = shard_rows(got)
+        assert len(ids) == len(set(ids)) == len(rows(want))
+    assert "finished" in subprocess.run([sys.executable, "-m", "pcs.status", str(results)], cwd=ROOT,
+                                        capture_output=True, text=True).stdout
+
+
+# One job of 60 samples, about 100 s of work here (30 s for 20), against a 2-minute limit whose signal comes 60 s
+# before it. SLURM may send it up to a minute early (sbatch(1), --signal), so each run of the job works at most 60 s
+# before it is signalled: the job is requeued at least once, and the run that completes it resumes from earlier
+# runs' rows.
+LONG = ["budget=64", "benchmark.context_lengths=[600,900,1200]", "benchmark.depth_percents=[" +
+        ",".join(str(d) for d in range(0, 100, 5)) + "]", "benchmark.max_new_tokens=48", "engine.pool=1"]
+
+
+def submitted_job(results, timeout: float = 120) -> str:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        jobs = [p.name for p in Path(results).glob("multirun/.submitit/*") if p.name[0].isdigit()]
+        if jobs:
+            return jobs[0]
+        time.sleep(0.2)
+    raise AssertionError("no job was submitted")
+
+
+def test_a_job_at_its_time_limit_is_requeued_and_resumes(tmp_path):
+    results = tmp_path / "timed"
+    grid = [f"results_dir={results}", "progress=false", *LONG]
+    command = sweep_command(results, "hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=60", grid=grid,
+                            methods=("snapkv",), shards=1)
+    sweep = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = submitted_job(results)
+    while sweep.poll() is None:                       # each requeue: no waiting out SLURM's begin-time delay
+        if queue_state(job) == "PENDING":
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+        time.sleep(0.5)
+    out = sweep.stdout.read()
+    assert sweep.returncode == 0, out[-3000:]
+    logs = "".join(p.read_text() for p in results.glob(f"multirun/.submitit/{job}/*_log.*"))
+    assert "this job is timed-out" in logs and "Requeued job" in logs, logs[-3000:]
+    got = compose_cfg(*grid, "method=snapkv")
+    metrics = json.loads((Path(got.results_dir) / RunIdentity(got).folder / "metrics.json").read_text())
+    assert metrics["n_resumed"] > 0                   # the last run answered only what earlier runs had not
+    want = compose_cfg(f"results_dir={tmp_path / 'local'}", "progress=false", *LONG, "method=snapkv")
+    run_cells([want])
+    assert rows(got) == rows(want)                    # each sample once, as in an uninterrupted run
