@@ -1,9 +1,10 @@
-"""Where pcs finds installed data packages and keeps its caches (no model code: reports and
-rescoring use these too)."""
+"""Where pcs finds installed data packages and keeps its caches, and how it replaces a file (no model code:
+reports and rescoring use these too)."""
 from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -17,3 +18,19 @@ def package_dir(package: str) -> Path:
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("PCS_CACHE_DIR", Path.home() / ".cache" / "pcs"))
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Replace a file's contents in one step: a process killed meanwhile leaves the old file or the new one, never
+    a part of either, and jobs writing the same file at once (shards of a run, on any node) each replace it
+    whole (each writes its own temporary file beside it)."""
+    path = Path(path)
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(raw)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

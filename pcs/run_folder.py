@@ -12,6 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from .config import upgraded
+from .paths import write_atomic
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -27,20 +28,12 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace a file's text in one step: a process killed meanwhile leaves the old file or the new one, never a
-    part of either."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def write_rows_atomic(path: Path, rows: list[dict]) -> None:
-    write_text_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    write_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 def write_json_atomic(path: Path, obj) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
+    write_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
 def is_finished(run_dir: Path) -> bool:
@@ -61,10 +54,10 @@ def prepare(run_dir: Path, saved_config: str) -> None:
             if OmegaConf.to_container(load_config(run_dir)) != OmegaConf.to_container(OmegaConf.create(saved_config)):
                 raise RuntimeError(f"{run_dir} holds a run with a different config; "
                                    f"remove it or choose another results_dir")
-            config_file.write_text(saved_config)
+            write_atomic(config_file, saved_config)
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    config_file.write_text(saved_config)
+    write_atomic(config_file, saved_config)          # shards of a run may create it at once
 
 
 @contextmanager
@@ -139,10 +132,10 @@ def working(out_dir: Path):
     try:
         yield
     except Exception as err:
-        write_text_atomic(Path(out_dir) / ERROR, f"{type(err).__name__}: {err}".strip() + "\n")
+        write_atomic(Path(out_dir) / ERROR, f"{type(err).__name__}: {err}".strip() + "\n")
         raise
     except BaseException as err:     # submitit's exit after a preemption or time-limit signal, Ctrl-C
-        write_text_atomic(Path(out_dir) / ERROR, f"{INTERRUPTED} ({type(err).__name__}): a requeued or rerun job "
+        write_atomic(Path(out_dir) / ERROR, f"{INTERRUPTED} ({type(err).__name__}): a requeued or rerun job "
                                                  f"resumes from the rows on disk\n")
         raise
     finally:

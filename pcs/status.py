@@ -2,8 +2,8 @@
 doing. Torch-free: it reads the run folders only (``pcs.run_folder``).
 
 Per run: samples done of its total (its own rows and every shard's, counted once), finished or not, the jobs
-working in it now (the run's own, or ``shard k/N``; a job of this host whose process is gone is reported as
-stopped), and the last error of a job that failed (or ``interrupted``: stopped from outside, by a preemption, a
+working in it now (the run's own, or ``shard k/N``; a job whose process is gone, on this host, or whose SLURM job
+is no longer running, as squeue says, is reported as stopped), and the last error of a job that failed (or ``interrupted``: stopped from outside, by a preemption, a
 time limit or Ctrl-C; a requeued job or a rerun goes on).
 """
 from __future__ import annotations
@@ -11,19 +11,36 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
 from .run_folder import ERROR, INTERRUPTED, RUNNING, SAMPLES, SHARDS, all_rows, is_finished
 
 
+def slurm_state(job_id: str) -> str | None:
+    """SLURM's state of a job ('gone' once it left the controller), or None where squeue does not answer."""
+    if shutil.which("squeue") is None:
+        return None
+    out = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%T", "-j", job_id], capture_output=True, text=True)
+    if out.returncode != 0:
+        return "gone" if "Invalid job id" in out.stderr else None
+    return out.stdout.strip() or "gone"
+
+
 def job_state(folder: Path) -> str | None:
-    """'running on host:pid', 'stopped (...)' for a job of this host that is gone, or None."""
+    """'running on host:pid', 'stopped (...)' for a job that is gone (a process of this host, or a SLURM job
+    that SLURM says is not running), or None. A job killed outright leaves its running.json behind."""
     marker = folder / RUNNING
     if not marker.exists():
         return None
     job = json.loads(marker.read_text())
+    if job.get("slurm_job"):
+        state = slurm_state(job["slurm_job"])
+        if state not in (None, "RUNNING", "COMPLETING", "CONFIGURING", "SIGNALING", "STAGE_OUT"):
+            return f"stopped (SLURM job {job['slurm_job']} is {state.lower()}; it ran on {job['host']} since {job['since']})"
     if job["host"] == socket.gethostname():
         try:
             os.kill(job["pid"], 0)

@@ -178,3 +178,20 @@ def test_status_tells_a_job_stopped_from_outside_from_a_failure(tiny_model_dir, 
     text = report(tmp_path)
     assert f"{RunIdentity(cfgs[0]).folder}  0/?  interrupted" in text        # stopped before it counted samples
     assert "last error, shard 1/3: interrupted (SystemExit)" in text and "failed" not in text
+
+
+def test_shards_writing_one_file_at_once_each_replace_it_whole(tmp_path):
+    """Shards of a run write its config.yaml and samples.json at once (found on the SLURM cluster: with one
+    shared temporary name, one job's replace took the other's file and that job failed)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from pcs.paths import write_atomic
+    path = tmp_path / "samples.json"
+    texts = [json.dumps({"samples": n, "pad": "x" * 5000}) for n in range(4)]
+
+    def write_many(text):
+        for _ in range(200):
+            write_atomic(path, text)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(write_many, texts))                 # raises if any write failed
+    assert path.read_text() in texts and sorted(p.name for p in tmp_path.iterdir()) == ["samples.json"]

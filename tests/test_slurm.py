@@ -127,6 +127,11 @@ def test_a_requeued_job_resumes_where_it_stopped(tmp_path, reference):
         assert len(ids) == len(set(ids)) == len(rows(want))
 
 
+def status(results) -> str:
+    return subprocess.run([sys.executable, "-m", "pcs.status", str(results)], cwd=ROOT, capture_output=True,
+                          text=True).stdout
+
+
 def queue_state(job: str) -> str:
     return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
 
@@ -137,6 +142,10 @@ def test_a_cancelled_shard_fails_the_sweep_and_the_sweep_resubmitted_completes_i
                              text=True)
     job, before = running_job(results)
     subprocess.run(["scancel", job], check=True)
+    deadline = time.time() + 60                    # killed: its running.json stays, SLURM says what became of it
+    while time.time() < deadline and f"stopped (SLURM job {job} is cancelled" not in status(results):
+        time.sleep(1)
+    assert f"stopped (SLURM job {job} is cancelled" in status(results)
     out, _ = sweep.communicate(timeout=600)        # the other shards finish; the sweep names the cancelled one
     assert sweep.returncode != 0 and f"SLURM job {job} ended without a result" in out, out[-3000:]
     again = subprocess.run(sweep_command(results), cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -145,8 +154,7 @@ def test_a_cancelled_shard_fails_the_sweep_and_the_sweep_resubmitted_completes_i
         assert rows(got) == rows(want)
         ids = shard_rows(got)
         assert len(ids) == len(set(ids)) == len(rows(want))
-    assert "finished" in subprocess.run([sys.executable, "-m", "pcs.status", str(results)], cwd=ROOT,
-                                        capture_output=True, text=True).stdout
+    assert status(results).count("  6/6  finished") == len(METHODS)
 
 
 # One job of 60 samples, about 100 s of work here (30 s for 20), against a 2-minute limit whose signal comes 60 s

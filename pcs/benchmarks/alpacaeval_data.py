@@ -3,8 +3,9 @@ list, or the hub), and the model outputs in alpaca_eval's format."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from ..paths import write_atomic
 
 HUB_REPO = "tatsu-lab/alpaca_eval"
 HUB_INSTRUCTIONS = "alpaca_eval.json"
@@ -37,7 +38,5 @@ def write_model_outputs(rows: list[dict], generator: str, run_dir: Path) -> Path
     path = Path(run_dir) / "model_outputs.json"
     outputs = [{"instruction": r["instruction"], "output": r["prediction"], "generator": generator,
                 "dataset": r.get("dataset", "")} for r in rows]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(outputs, indent=2, ensure_ascii=False), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(outputs, indent=2, ensure_ascii=False))
     return path

@@ -19,7 +19,7 @@ import urllib.request
 from functools import cached_property
 from pathlib import Path
 
-from ..paths import default_cache_dir, package_dir
+from ..paths import default_cache_dir, package_dir, write_atomic
 from ..provenance import sha256_files, sha256_text
 from .base import Benchmark, Sample
 from .needle import essay_files
@@ -55,8 +55,7 @@ def qa_file(task: str, qa_dir: str | None) -> Path:
             f"fetched ({err}). Download it where the internet is reachable (wget {url} -O {name}), put it in "
             f"benchmark.qa_dir (now {str(path.parent)!r}), or leave {task} out of benchmark.tasks") from None
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".tmp").write_bytes(body)
-    path.with_suffix(".tmp").replace(path)
+    write_atomic(path, body)
     return path
 
 
@@ -141,9 +140,7 @@ class Ruler(Benchmark):
                         self.essay if TASKS[task].essay else None, self.vocabulary if task == "cwe" else None,
                         self.qa(task) if task in QA_SOURCES else None)
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(path)
+        write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))    # shards may generate it at once
         return rows
 
     def samples(self, tokenizer) -> list[Sample]:
