@@ -6,7 +6,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import socket
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -122,8 +124,6 @@ def note_samples(run_dir: Path, n_samples: int) -> None:
 def working(out_dir: Path):
     """While a job works in ``out_dir`` (the run's folder or a shard's): its host and pid in running.json, and a
     failure's last line in error.txt (cleared when a job starts)."""
-    import socket
-    from datetime import datetime, timezone
     (Path(out_dir) / ERROR).unlink(missing_ok=True)
     array = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
     slurm = f"{array[0]}_{array[1]}" if all(array) else os.environ.get("SLURM_JOB_ID")

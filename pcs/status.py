@@ -11,23 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 from .run_folder import ERROR, INTERRUPTED, RUNNING, SAMPLES, SHARDS, all_rows, is_finished
-
-
-def slurm_state(job_id: str) -> str | None:
-    """SLURM's state of a job ('gone' once it left the controller), or None where squeue does not answer."""
-    if shutil.which("squeue") is None:
-        return None
-    out = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%T", "-j", job_id], capture_output=True, text=True)
-    if out.returncode != 0:
-        return "gone" if "Invalid job id" in out.stderr else None
-    return out.stdout.strip() or "gone"
+from .slurm_queue import RUNNING_STATES, queue_states
 
 
 def job_state(folder: Path) -> str | None:
@@ -37,10 +26,10 @@ def job_state(folder: Path) -> str | None:
     if not marker.exists():
         return None
     job = json.loads(marker.read_text())
-    if job.get("slurm_job"):
-        state = slurm_state(job["slurm_job"])
-        if state not in (None, "RUNNING", "COMPLETING", "CONFIGURING", "SIGNALING", "STAGE_OUT"):
-            return f"stopped (SLURM job {job['slurm_job']} is {state.lower()}; it ran on {job['host']} since {job['since']})"
+    states = queue_states([job["slurm_job"]]) if job.get("slurm_job") else None
+    if states is not None and states.get(job["slurm_job"]) not in RUNNING_STATES:
+        state = states.get(job["slurm_job"], "gone from the queue").lower()
+        return f"stopped (SLURM job {job['slurm_job']} is {state}; it ran on {job['host']} since {job['since']})"
     if job["host"] == socket.gethostname():
         try:
             os.kill(job["pid"], 0)

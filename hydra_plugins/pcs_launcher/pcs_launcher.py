@@ -7,7 +7,6 @@ one job after another), as a SLURM job array (``hydra/launcher=slurm``) or as lo
 
 import copy
 import json
-import subprocess
 import sys
 import time
 import traceback
@@ -25,6 +24,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLaunche
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from pcs.config import ConfigError, positive_int
+from pcs.slurm_queue import ENDED_STATES, queue_states
 from pcs.sweep import describe, plan
 
 CELLS = "pcs_cells="   # a grouped job's one "override": JSON of its runs' override lists and its shard
@@ -133,7 +133,7 @@ class Grouped:
         done = [result if not isinstance(result, BaseException) else     # a job that ended without its returns
                 returns([cfgs[i] for i in group], [job_overrides[i] for i in group], JobStatus.FAILED,
                         [result] * len(group))
-                for group, result in zip(owners, collect(self.submit(jobs, initial_job_idx)))]
+                for group, result in zip(owners, collect(self.submit(jobs, initial_job_idx), self._EXECUTOR == "slurm"))]
         return per_run(len(cfgs), groups, done, self.shards)
 
     def submit(self, jobs: list[list[str]], initial_job_idx: int) -> list:
@@ -162,41 +162,26 @@ class Grouped:
         return run_group(cfgs, job["runs"], job["shard"])
 
 
-# SLURM job states after which a job runs no more; a job that reaches one (or leaves the queue) without writing
-# its result file was cancelled, killed or lost with its node. A requeued job is PENDING again, not ended.
-ENDED = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-         "TIMEOUT"}
 QUEUE_POLL_S = 15          # squeue at most this often
 RESULT_GRACE_S = 15        # for a result file to appear on a shared filesystem after its job ended
 
 
-def queue_states(job_ids: list[str]) -> dict[str, str] | None:
-    """SLURM's state of each job (array tasks one by one) it still knows; None when squeue does not answer."""
-    arrays = sorted({job_id.split("_")[0] for job_id in job_ids})
-    out = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-o", "%i %T", "-j", ",".join(arrays)],
-                         capture_output=True, text=True)
-    if out.returncode != 0:
-        return {} if "Invalid job id" in out.stderr else None     # every job aged out of the controller
-    return dict(line.split()[:2] for line in out.stdout.splitlines() if len(line.split()) >= 2)
-
-
-def collect(jobs: list) -> list:
+def collect(jobs: list, watch_queue: bool) -> list:
     """Each submitted job's returns, or the exception that ended it. A SLURM job that ends without its result
     (``scancel``, a node lost, killed out of memory) fails its runs as soon as the queue says so: submitit on its
     own asks SLURM's accounting (sacct), which a cluster may not run (then it would wait forever) and which it
-    polls only every few minutes. A requeued job is waited for."""
-    slurm = bool(jobs) and type(jobs[0]).__name__ == "SlurmJob"
+    polls only every few minutes. A requeued job is waited for. ``watch_queue``: the jobs are SLURM's."""
     results: dict[int, object] = {}
     ended: dict[int, tuple[float, str]] = {}      # job -> (when it was first seen ended, its state)
     last_poll = 0.0
     while len(results) < len(jobs):
         states = None
-        if slurm and time.time() - last_poll >= QUEUE_POLL_S:
+        if watch_queue and time.time() - last_poll >= QUEUE_POLL_S:
             states, last_poll = queue_states([job.job_id for job in jobs]), time.time()
         for i, job in enumerate(jobs):
             if i in results:
                 continue
-            if job.paths.result_pickle.exists() or (not slurm and job.done()):
+            if job.paths.result_pickle.exists() or (not watch_queue and job.done()):
                 try:
                     results[i] = job.results()[0]
                 except Exception as err:  # noqa: BLE001 - a job that raised, or timed out too often
@@ -204,7 +189,7 @@ def collect(jobs: list) -> list:
                 continue
             if states is not None:
                 state = states.get(job.job_id)          # None: SLURM no longer knows it
-                if state is None or state in ENDED:
+                if state is None or state in ENDED_STATES:
                     ended.setdefault(i, (time.time(), state or "gone from the queue"))
                 else:
                     ended.pop(i, None)
