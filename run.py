@@ -5,6 +5,7 @@ import hydra
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
+from pcs.benchmarks.base import checked_benchmark
 from pcs.config import ConfigError, validate
 
 
@@ -12,6 +13,7 @@ from pcs.config import ConfigError, validate
 def main(cfg: DictConfig) -> None:
     try:
         validate(cfg)                  # before torch and transformers load: a user's error is reported at once
+        checked_benchmark(cfg)         # its knobs and data, as fast
         from pcs.runner import run
         run(cfg)
     except ConfigError as err:

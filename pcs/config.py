@@ -7,7 +7,8 @@ A group option's file (``method/snapkv.yaml``, ``benchmark/needle.yaml``, ...) h
 - declarations (``_name_``): what the option is, read by pcs, never a knob and never saved with a run:
   ``_target_`` the class implementing it (``module.Class``); ``_uses_`` the run-level settings it reads
   (``budget``, ``selection``: a run reads one only if its method and its benchmark both declare it);
-  ``_judging_`` (benchmarks) knobs that decide how outputs are judged, not what is generated.
+  ``_judging_`` (benchmarks) knobs that decide how outputs are judged, not what is generated;
+  ``_choices_`` and ``_range_`` the values a knob may take (checked before torch loads).
 
 Declarations are looked up in the option's file by name, so a run folder's saved config (knobs only)
 is enough to name, label and rescore it. Every message names the offending value and what would do.
@@ -132,6 +133,19 @@ def check_method_knobs(cfg: DictConfig) -> None:
     check_room(cfg.budget, cfg.method.get("window"), cfg.method.get("sinks") or 0)
 
 
+def check_knob_values(group: str, node: DictConfig) -> None:
+    """A group node's knobs against what its option's file declares they may take: ``_choices_`` (knob: the
+    allowed values) and ``_range_`` (knob: [low, high], inclusive). Torch-free, so it runs before anything
+    heavy; the classes built from the node take these as given (``pcs.eviction.build`` checks them too)."""
+    own = group_file(group, node.name)
+    for key, allowed in (own.get("_choices_") or {}).items():
+        one_of(f"{group}.{key}", node.get(key), list(allowed))
+    for key, (low, high) in (own.get("_range_") or {}).items():
+        value = node.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise ConfigError(f"{group}.{key}={value!r} must lie in [{low}, {high}]")
+
+
 def check_room(budget: int, window: int | None = None, sinks: int = 0) -> None:
     """The budget must hold the observation window (if the method has one), and the sinks beside it."""
     if window is not None and not 0 < window <= budget:
@@ -152,6 +166,10 @@ def validate(cfg: DictConfig) -> None:
     if not positive_int(cfg.budget):
         raise ConfigError(f"budget={cfg.budget!r} must be a positive integer (entries per KV head)")
     check_method_knobs(cfg)
+    for group in ("method", "selection"):
+        check_knob_values(group, cfg[group])
+    from .eviction.conventions import Conventions   # torch-free; a profile checks its own conventions
+    Conventions(**knobs(cfg.profile))
     trigger = cfg.compress.trigger
     if trigger is not None and not (positive_int(trigger) and trigger > cfg.budget):
         raise ConfigError(f"compress.trigger={trigger!r} must be an integer above budget={cfg.budget} "

@@ -12,8 +12,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from .benchmarks.base import build_benchmark
-from .config import ConfigError, validate
+from .benchmarks.base import checked_benchmark
+from .config import validate
 from .engine import DoesNotFit, open_pool
 from .eviction import build_method
 from .generate import RunContext, generate_rows
@@ -64,13 +64,8 @@ def run(cfg: DictConfig) -> dict | None:
 def checked(cfg: DictConfig) -> Cell:
     """A cell whose config, benchmark data and method knobs are valid (ConfigError otherwise): before any model loads."""
     validate(cfg)
-    benchmark = build_benchmark(cfg)
-    try:
-        benchmark.check()
-        variants = benchmark.variants()
-    except (ValueError, FileNotFoundError) as err:   # missing data, a malformed line, a bad option
-        raise ConfigError(str(err)) from err
-    methods = {key: build_method(variant) for key, variant in variants.items()}   # checks their knobs
+    benchmark = checked_benchmark(cfg)
+    methods = {key: build_method(variant) for key, variant in benchmark.variants().items()}
     identity = RunIdentity(cfg)
     return Cell(cfg, identity, benchmark, methods, Path(cfg.results_dir) / identity.folder)
 

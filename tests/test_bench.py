@@ -64,3 +64,28 @@ def test_bench_decodes_pools_and_projects_a_sweep(tiny_model_dir, capsys, tmp_pa
     out = capsys.readouterr().out
     assert "| 0 | llama31 | 9 | 3750 |" in out and "| 1 | mistral7b | 9 | 3750 |" in out
     assert "in pools of 3" in out
+
+
+def test_bench_pairs_each_perturbation_row_with_attention_under_the_same_preset(tiny_model_dir, capsys, tmp_path):
+    """``--presets criticalkv`` adds each method with attention selection and the preset's own under its conventions;
+    perturbation rows report stage 2's work, and the report's overhead line divides each by its own baseline."""
+    main(["--model-path", str(tiny_model_dir), "--contexts", "400", "--methods", "snapkv", "--selections",
+          "attention", "perturbation", "--budgets", "128", "--presets", "criticalkv", "--repeats", "1",
+          "--decode-tokens", "2", "--json"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["selection"], r["preset"]) for r in rows] == [
+        ("none", None), ("attention", None), ("perturbation", None), ("attention", "criticalkv"),
+        ("perturbation", "criticalkv")]
+    for r in rows:
+        two_stage = r["selection"] == "perturbation"
+        assert ("stage2_exact_share" in r) == two_stage
+        if two_stage:    # exact norms for some entries, never more than a candidate round and the exhaustive scan
+            assert 0 < r["stage2_exact_share"] <= 2 and 0 <= r["stage2_widened_share"] <= 1
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    main(["--report", str(path)])
+    report = capsys.readouterr().out
+    line = next(x for x in report.splitlines() if x.startswith("- perturbation over attention selection"))
+    ratios = sorted(r["prefill_s"] / a["prefill_s"] for r, a in ((rows[2], rows[1]), (rows[4], rows[3])))
+    assert f"{ratios[0]:.3f}x to {ratios[1]:.3f}x over 2 pairs" in line
+    assert "| perturbation (criticalkv) |" in report

@@ -121,20 +121,33 @@ def test_unknown_option_lists_valid_ones():
     (["budget=8"], ["budget=8", "window"]),
     (["budget=0"], ["budget=0", "positive integer"]),
     (["preset=criticalkv", "method=streamingllm"], ["method=streamingllm has no knob", "adakv, pyramidkv, snapkv"]),
-    (["engine.pool=0"], ["engine.pool=0"])])
+    (["engine.pool=0"], ["engine.pool=0"]),
+    (["selection.alpha=2"], ["selection.alpha=2 must lie in [0, 1]"]),
+    (["method=adakv", "method.pooling=mean"], ["method.pooling='mean'", "max, avg"]),
+    (["profile.ties=first"], ["profile.ties='first'", "earlier, topk"]),
+    (["benchmark=longbench", "benchmark.data_dir=/nonexistent"], ["/nonexistent/narrativeqa.jsonl is missing",
+                                                                   "scripts/fetch_longbench.py"]),
+    (["benchmark=ruler", "benchmark.tasks=[niah]"], ["['niah'] are not RULER tasks"]),
+    (["benchmark.depth_percents=[120]"], ["depth_percents must lie in [0, 100]"]),
+    (["-m", "method=snapkv,adakv", "benchmark=longbench", "benchmark.data_dir=/nonexistent"],
+     ["narrativeqa.jsonl is missing"]),
+    (["-m", "method=snapkv", "hydra.launcher.shards=0"], ["hydra.launcher.shards=0"]),
+    (["-m", "method=snapkv", "hydra/launcher=slurm", "hydra.launcher.shards=2", "selection.alpha=-1"],
+     ["selection.alpha=-1"])])
 def test_cli_reports_config_errors_before_torch_loads_in_under_two_seconds(tmp_path, overrides, expected):
-    """A torch that cannot be imported sits first on the path: the error must come without it, and fast."""
+    """A torch that cannot be imported sits first on the path: the error must come without it, and fast, in a
+    run and in a sweep (before any job is submitted)."""
     fake = tmp_path / "fake"
     (fake / "torch").mkdir(parents=True)
     (fake / "torch" / "__init__.py").write_text("raise ImportError('torch imported before the config was checked')")
     env = {**os.environ, "PYTHONPATH": str(fake)}
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "run.py", *overrides, f"results_dir={tmp_path}"], cwd=ROOT,
-                          capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, "run.py", *overrides, f"results_dir={tmp_path}",
+                           f"hydra.sweep.dir={tmp_path}/multirun"], cwd=ROOT, capture_output=True, text=True, env=env)
     elapsed = time.perf_counter() - start
     assert proc.returncode == 2, proc.stderr
     assert all(text in proc.stderr for text in expected), proc.stderr
-    assert elapsed < 2.0
+    assert elapsed < 2.0, (elapsed, proc.stderr)
 
 
 def test_full_cache_runs_share_one_folder_whatever_budget_or_selection(tiny_model_dir, tmp_path, monkeypatch):

@@ -1,14 +1,21 @@
-"""Selection against a brute-force transcription of the paper's Algorithms 1 and 2."""
+"""Selection against a brute-force transcription of the paper's Algorithms 1 and 2; the bounded stage 2 against
+the exhaustive one; the host reads of a layer's compression."""
+import functools
 import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from pcs.eviction import build_method
 from pcs.eviction.adakv import AdaKV
 from pcs.eviction.base import LayerState
 from pcs.eviction.snapkv import SnapKV
-from pcs.eviction.scores import projected_value_norms
-from pcs.eviction.selection import AttentionSelection, PerturbationSelection
+from pcs.eviction.conventions import Conventions
+from pcs.eviction.scores import head_weights, norm_tile, projected_value_norms
+from pcs.eviction.selection import WIDENINGS, AttentionSelection, PerturbationSelection, WindowScores
+
+from conftest import compose_cfg
 
 
 def brute_force_scores(K, V, Q, Wo, window, kernel, pooling):
@@ -109,32 +116,75 @@ def test_short_prompt_is_left_whole():
     assert method.keep(layer) is None
 
 
-def test_value_norms_chunked_equal_unchunked():
+def test_value_norms_equal_brute_force_whatever_the_tile():
     layer = random_layer(5, n=37)
-    full = projected_value_norms(layer.values, layer.o_proj_weight, max_bytes=10**12)
-    chunked = projected_value_norms(layer.values, layer.o_proj_weight, max_bytes=24 * 5 * 4)
+    d = layer.values.shape[-1]
+    weights = head_weights(layer.o_proj_weight, d)                        # (H_q, d, hidden)
     _, _, _, N = brute_force_scores(layer.keys, layer.values, layer.window_queries, layer.o_proj_weight, 8, 1, "max")
-    torch.testing.assert_close(chunked, full)
-    torch.testing.assert_close(full[:, :29].double(), N, rtol=1e-5, atol=1e-4)
+    group = weights.shape[0] // layer.values.shape[0]
+    for tile in (1, 5, 37, 64):
+        norms = torch.cat([projected_value_norms(layer.values[g], weights[g * group:(g + 1) * group], tile)
+                           for g in range(layer.values.shape[0])])
+        torch.testing.assert_close(norms[:, :29].double(), N, rtol=1e-5, atol=1e-4)
 
 
+def test_an_entrys_norm_does_not_depend_on_the_rows_scored_with_it():
+    """Bounded and exhaustive stage 2 score different sets of rows; each row's norm must be the same bits."""
+    layer = random_layer(9, n=300, d=16, hidden=96)
+    weights = head_weights(layer.o_proj_weight, 16)[:3]
+    every = projected_value_norms(layer.values[0], weights, 32)
+    some = torch.tensor([299, 3, 150, 151, 7, 64])
+    assert torch.equal(projected_value_norms(layer.values[0][some], weights, 32), every[:, some])
+
+
+def attention_like(n_rows, group, m, peaked, generator):
+    logits = torch.randn(n_rows * group, m, generator=generator) * (4.0 if peaked else 0.3)
+    mean = logits.softmax(-1)
+    pooled = torch.nn.functional.max_pool1d(mean[:, None], 7, 1, 3)[:, 0]
+    return mean, pooled, pooled.view(n_rows, group, m).mean(1)
+
+
+@pytest.mark.parametrize("ties", ["earlier", "topk"])
 @pytest.mark.parametrize("gqa", ["mean_of_products", "product_of_means"])
 @pytest.mark.parametrize("source,epsilon", [("unpooled", 0.0), ("pooled", 1e-4)])
 @pytest.mark.parametrize("peaked", [True, False])
-def test_bounded_stage2_keeps_what_exhaustive_scoring_keeps(gqa, source, epsilon, peaked):
-    """The branch-and-bound stage 2 (exact norms only where they could matter) against scoring every entry."""
-    from pcs.eviction.selection import PerturbationSelection, WindowScores
-    torch.manual_seed(7)
+def test_bounded_stage2_keeps_what_exhaustive_scoring_keeps(ties, gqa, source, epsilon, peaked):
+    """Exact norms only for the candidates the bound leaves, against scoring every entry."""
+    g = torch.Generator().manual_seed(7)
     n_kv, group, m, d, hidden = 2, 3, 900, 16, 48
-    logits = torch.randn(n_kv * group, m) * (4.0 if peaked else 0.3)
-    mean = logits.softmax(-1)
-    pooled = torch.nn.functional.max_pool1d(mean[:, None], 7, 1, 3)[:, 0]
-    ws = WindowScores(mean, pooled, pooled.view(n_kv, group, m).mean(1), torch.randn(n_kv, m, d),
-                      torch.randn(hidden, n_kv * group * d))
+    mean, pooled, stage1 = attention_like(n_kv, group, m, peaked, g)
+    ws = WindowScores(mean, pooled, stage1, torch.randn(n_kv, m, d, generator=g),
+                      torch.randn(hidden, n_kv * group * d, generator=g), conventions=Conventions(ties=ties))
     sel = PerturbationSelection(alpha=0.25, stage2_source=source, epsilon=epsilon, gqa=gqa)
-    budgets = torch.tensor([40, 120])
-    fast, plain = sel.select(budgets, ws), sel.select(budgets, ws, exhaustive=True)
+    fast, plain = sel.select([40, 120], ws), sel.select([40, 120], ws, exhaustive=True)
     assert [f.tolist() for f in fast] == [p.tolist() for p in plain]
+    if peaked and source == "unpooled":   # the bound rules most entries out: no head is scored exhaustively
+        assert sel.work.widened == 0 and sel.work.exact_share < 0.2
+    assert 1 <= sel.work.host_reads <= len(WIDENINGS)
+
+
+@pytest.mark.parametrize("ties", ["earlier", "topk"])
+def test_ties_at_the_cut_follow_the_profiles_rule(ties):
+    """Entries with identical values and attention tie exactly at stage 2's cut; the bounded stage 2 keeps the ones
+    the exhaustive one keeps, under the stable rule (earlier wins) and under torch.topk's."""
+    g = torch.Generator().manual_seed(3)
+    n_kv, group, m, d, hidden = 1, 2, 400, 8, 32
+    mean, pooled, stage1 = attention_like(n_kv, group, m, True, g)
+    values = torch.randn(n_kv, m, d, generator=g) * 0.1
+    twins = torch.tensor([30, 90, 91, 200, 333, 350])             # the same value vector and attention: equal scores
+    values[:, twins] = torch.randn(d, generator=g) * 5
+    mean[:, twins] = mean.max() * 2
+    pooled[:, twins] = 0.0                                        # stage 1 leaves them to stage 2
+    stage1 = pooled.view(n_kv, group, m).mean(1)
+    ws = WindowScores(mean, pooled, stage1, values, torch.randn(hidden, group * d, generator=g),
+                      conventions=Conventions(ties=ties))
+    sel = PerturbationSelection(alpha=0.5)
+    budget = 2 * 4                                               # 4 by stage 1, 4 of the 6 twins by stage 2
+    fast, plain = sel.select([budget], ws), sel.select([budget], ws, exhaustive=True)
+    assert fast[0].tolist() == plain[0].tolist()
+    assert len(set(fast[0].tolist()) & set(twins.tolist())) == 4
+    if ties == "earlier":
+        assert set(fast[0].tolist()) & set(twins.tolist()) == {30, 90, 91, 200}
 
 
 def peak_allocated_bytes(fn) -> int:
@@ -153,19 +203,103 @@ def peak_allocated_bytes(fn) -> int:
 def test_value_norms_need_no_more_memory_than_one_layers_keys_and_values():
     """The issue's memory target, on SmolLM2's shapes: computing ||v W^O_h||_1 for a layer, exhaustively
     or by the bounded stage 2, allocates at most the bytes of that layer's keys and values."""
-    from pcs.eviction.selection import WindowScores
     torch.manual_seed(0)
     n_kv, group, m, d, hidden = 3, 3, 2048, 64, 576
     values, weight = torch.randn(n_kv, m, d), torch.randn(hidden, n_kv * group * d) / 24
     layer_kv_bytes = 2 * values.nbytes
     mean = torch.randn(n_kv * group, m).softmax(-1)
     ws = WindowScores(mean, mean, mean.view(n_kv, group, m).mean(1), values, weight)
-    budgets = torch.full((n_kv,), 96)
+    budgets = [96] * n_kv
     selection = PerturbationSelection()
-    for compute in (lambda: projected_value_norms(values, weight),
+    weights = head_weights(weight, d)[:group]
+    for compute in (lambda: projected_value_norms(values[0], weights, norm_tile(values, group, hidden)),
                     lambda: selection.select(budgets, ws),
                     lambda: selection.select(budgets, ws, exhaustive=True)):
         assert 0 < peak_allocated_bytes(compute) <= layer_kv_bytes
     # The measurement can fail: one unchunked product for all heads is far larger.
     unchunked = lambda: torch.einsum("gmd,hd->gmh", values, weight[:, :d]).abs().sum(-1)
     assert peak_allocated_bytes(unchunked) > layer_kv_bytes
+
+
+PROFILES = ["paper", "kvpress", "adakv", "kvcache_factory"]
+
+
+def every_method(profile, gqa):
+    """SnapKV, PyramidKV and AdaKV with both perturbation selections (and kvpress's preset), one profile and GQA mode."""
+    cells = [(m, s) for m in ("snapkv", "pyramidkv", "adakv") for s in ("perturbation", "perturbation_released")]
+    return [build_method(compose_cfg(f"method={m}", f"selection={s}", f"profile={profile}", f"profile.gqa={gqa}",
+                                     "budget=120", "method.window=8", "method.kernel=5", "method.pooling=avg"))
+            for m, s in cells] + [
+        build_method(compose_cfg("preset=criticalkv", f"method={m}", f"profile.gqa={gqa}", "budget=120"))
+        for m in ("snapkv", "adakv")]
+
+
+def long_layer(seed, n=700, pad=None):
+    g = torch.Generator().manual_seed(seed)
+    h_kv, h_q, d, hidden = 2, 6, 16, 48
+    K, V = torch.randn(h_kv, n, d, generator=g), torch.randn(h_kv, n, d, generator=g)
+    return LayerState(3, 8, K, V, torch.randn(h_q, 64, d, generator=g) * 2, torch.randn(hidden, h_q * d, generator=g),
+                      pad)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("gqa", ["pool_then_mean", "mean_then_pool", "per_query_head"])
+def test_every_method_profile_and_gqa_mode_keeps_what_exhaustive_stage2_keeps(profile, gqa):
+    """Whole methods (allocation, stage 1, stage 2) on full prompts and on heads padded at the front as decoding-time
+    recompression gives them: the bounded stage 2 keeps exactly the exhaustive one's entries."""
+    layers = [long_layer(1), long_layer(2, pad=torch.tensor([0, 137]))]
+    for method in every_method(profile, gqa):
+        for layer in layers:
+            fast = method.keep(layer)
+            exhaustive = functools.partial(type(method.selection).select, method.selection, exhaustive=True)
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(method.selection, "select", exhaustive)
+                plain = method.keep(layer)
+            assert [f.tolist() for f in fast] == [p.tolist() for p in plain], (profile, gqa, method)
+
+
+class HostReads(TorchDispatchMode):
+    """Counts what makes the host wait for a device's values: scalar reads (item, int, bool), nonzero, masked_select,
+    boolean indexing, and ``tolist`` (which does not dispatch, so it is counted by a wrapper). On a CPU nothing
+    waits, but the same calls are the ones that synchronise with a GPU."""
+    WAITING = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+               torch.ops.aten.masked_select.default}
+
+    def __enter__(self):
+        self.count, self.tolist = 0, torch.Tensor.tolist
+        mode = self
+
+        def counted(tensor):
+            mode.count += 1
+            return mode.tolist(tensor)
+        torch.Tensor.tolist = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self.tolist
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        boolean_index = func is torch.ops.aten.index.Tensor and any(
+            i is not None and i.dtype == torch.bool for i in args[1])
+        self.count += func in self.WAITING or boolean_index
+        return func(*args, **(kwargs or {}))
+
+
+# Host reads of one layer's compression, at most: the budgets (1), AdaKV's allocation (1), stage 2's checks (one
+# per round of candidates).
+MOST_HOST_READS = 2 + len(WIDENINGS)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_one_layers_compression_waits_for_the_device_a_constant_number_of_times(profile):
+    """The reads that would synchronise with a GPU, counted on the CPU for every method with perturbation selection:
+    the same count at 600 and 6,000 tokens, at most MOST_HOST_READS (tests/test_gpu.py counts CUDA's own syncs)."""
+    for method in every_method(profile, "pool_then_mean"):
+        counts = []
+        for n in (600, 6000):
+            layer = long_layer(4, n=n)
+            with HostReads() as reads:
+                method.keep(layer)
+            counts.append(reads.count)
+        assert counts[0] == counts[1] <= MOST_HOST_READS, (profile, method, counts)

@@ -23,6 +23,7 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQue
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from pcs.benchmarks.base import checked_benchmark
 from pcs.config import ConfigError, positive_int
 from pcs.slurm_queue import ENDED_STATES, queue_states
 from pcs.sweep import describe, plan
@@ -43,12 +44,15 @@ def cell_config(hydra_context, config: DictConfig, overrides: Sequence[str], job
 
 
 def planned(cfgs: list[DictConfig], launcher: str, shards: int) -> list[list[int]]:
-    """The groups, printed; a config error stops the sweep before anything runs, as ``run.py`` does."""
+    """The groups, printed; a config error (a knob, the data, the shards) stops the sweep before anything runs or
+    is submitted, as ``run.py`` does, torch-free."""
     try:
         if not positive_int(shards):
             raise ConfigError(f"hydra.launcher.shards={shards!r} must be a positive integer (jobs per group of runs, "
                               f"each answering every shards-th sample)")
         groups = plan(cfgs)
+        for cfg in cfgs:
+            checked_benchmark(cfg)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -102,13 +106,6 @@ class GroupingLauncher(Launcher):
         groups = planned(cfgs, "local", self.shards)
         if self.dry_run:
             return returns(cfgs, job_overrides, JobStatus.COMPLETED, [None] * len(cfgs))
-        from pcs.runner import checked
-        try:
-            for cfg in cfgs:    # every run's data and knobs, before any model loads
-                checked(cfg)
-        except ConfigError as err:
-            print(f"error: {err}", file=sys.stderr)
-            sys.exit(2)
         done = [run_group([cfgs[i] for i in group], [job_overrides[i] for i in group], (k, self.shards))
                 for group in groups for k in range(self.shards)]
         return per_run(len(cfgs), groups, done, self.shards)

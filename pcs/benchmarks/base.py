@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ..config import load_class
+from ..config import ConfigError, load_class, validate
 from ..prompts import PromptIds, encode_prompt
 
 
@@ -76,3 +76,17 @@ class Benchmark:
 def build_benchmark(cfg: DictConfig) -> Benchmark:
     """The benchmark of a run's whole config (its class: the option file's ``_target_``)."""
     return load_class("benchmark", cfg.benchmark.name)(cfg)
+
+
+def checked_benchmark(cfg: DictConfig) -> Benchmark:
+    """The run's benchmark with its knobs and data checked, and the run config of each of its variants
+    validated: torch-free, so a missing file or a bad knob is reported in a second, before any model loads
+    or any job is submitted (``ConfigError``, saying what to do)."""
+    benchmark = build_benchmark(cfg)
+    try:
+        benchmark.check()
+        for variant in benchmark.variants().values():
+            validate(variant)
+    except (ValueError, FileNotFoundError) as err:   # missing data, a malformed line, a bad option
+        raise ConfigError(str(err)) from err
+    return benchmark

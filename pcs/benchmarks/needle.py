@@ -9,13 +9,11 @@ instruction and question after the context are fed after it is compressed.
 """
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
-
-from rouge_score import rouge_scorer
 
 from ..identity import RunIdentity
 from ..paths import package_dir
-from ..plots.needle import save_heatmap
 from ..provenance import sha256_files, sha256_text
 from .base import Benchmark, Sample
 
@@ -55,9 +53,12 @@ class Haystack:
 class Needle(Benchmark):
     prompt_length_knob = "benchmark.context_lengths"
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.scorer = rouge_scorer.RougeScorer(["rouge1"], use_stemmer=True)
+    @cached_property
+    def scorer(self):
+        """ROUGE-1 with stemming; built on first use, as rouge-score takes seconds to import (nltk), which a
+        config check before the model loads should not wait for."""
+        from rouge_score import rouge_scorer
+        return rouge_scorer.RougeScorer(["rouge1"], use_stemmer=True)
 
     def check(self) -> None:
         bad = [p for p in self.cfg.depth_percents if not 0 <= p <= 100]
@@ -84,7 +85,8 @@ class Needle(Benchmark):
         return 100.0 * self.scorer.score(self.cfg.needle, row["prediction"])["rouge1"].recall
 
     def finish(self, rows: list[dict], metrics: dict, run_dir: Path) -> None:
-        """The run's depth x length heatmap (paper Figure 8) next to its metrics."""
+        """The run's depth x length heatmap (paper Figure 8) next to its metrics (matplotlib loads only here)."""
+        from ..plots.needle import save_heatmap
         save_heatmap(metrics, RunIdentity(self.run_cfg).title, Path(run_dir) / "heatmap.png")
 
     def metrics(self, rows: list[dict]) -> dict:

@@ -25,7 +25,6 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from ..config import compose, options, uses
-from ..plots.output_perturbation import write_figures
 from .base import Benchmark, Sample
 from .longbench import LongBench
 from .needle import Haystack, essay_files, haystack_data_hashes
@@ -141,6 +140,7 @@ class PerturbationAnalysis(Benchmark):
         return summarize(rows, self.labels, self.budgets, self.run_cfg.budget)
 
     def finish(self, rows: list[dict], metrics: dict, run_dir: Path) -> None:
+        from ..plots.output_perturbation import write_figures   # matplotlib loads only here
         write_figures(metrics, run_dir)
 
 

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from scipy.special import zeta
 
 # The task template and answer prefix of RULER's niah tasks (scripts/data/synthetic/constants.py), joined as
 # RULER's prepare.py joins them for the identity ("base") model template.
@@ -379,6 +378,7 @@ class FweGenerator:
 
     def text(self, words: list[str], n_words: int) -> tuple[str, list[str]]:
         ranks = np.arange(1, len(words) + 1)
+        from scipy.special import zeta     # scipy takes a second to import: only where fwe samples are drawn
         counts = (n_words * (ranks ** -self.alpha) / zeta(self.alpha)).astype(int)
         drawn = [w for w, c in zip(words, counts) for _ in range(c)]
         random.Random(self.seed).shuffle(drawn)

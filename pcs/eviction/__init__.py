@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import inspect
 
-from ..config import ConfigError, knobs, load_class, uses
+from ..config import ConfigError, check_knob_values, knobs, load_class, uses
 from .conventions import Conventions
 
 
 def build(group: str, node, **extra):
-    """The class a group option declares, built from the node's knobs and ``extra``."""
+    """The class a group option declares, built from the node's knobs (checked against the file's
+    declarations) and ``extra``."""
+    check_knob_values(group, node)
     cls, arguments = load_class(group, node.name), {**knobs(node), **extra}
     try:
         inspect.signature(cls).bind(**arguments)

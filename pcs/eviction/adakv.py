@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ConfigError
 from .window import WindowEviction
 
 
@@ -63,11 +62,6 @@ def largest_remainder(shares: torch.Tensor, total: int) -> torch.Tensor:
 @dataclass
 class AdaKV(WindowEviction):
     floor: float = 0.2      # each head keeps at least floor x (budget - window) prefix entries
-
-    def __post_init__(self):
-        super().__post_init__()
-        if not 0.0 <= self.floor <= 1.0:
-            raise ConfigError(f"method.floor={self.floor} must lie in [0, 1]")
 
     def protected(self) -> int:
         if self.conventions.adakv_allocation == "kvpress" and self.floor > 0:

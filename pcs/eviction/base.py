@@ -11,8 +11,6 @@ from typing import Optional
 
 import torch
 
-from ..config import ConfigError
-
 # Per layer: None (the layer is kept whole) or one ascending LongTensor of kept positions per KV head.
 Kept = Optional[list[torch.Tensor]]
 
@@ -72,11 +70,6 @@ class Method:
     def stage1(self, layer: LayerState) -> list[torch.Tensor] | None:
         """A two-stage method's first-stage picks per KV head, window excluded (None: kept whole)."""
         return None
-
-
-def check_choice(key: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, allowed))}")
 
 
 def window_positions(n_tokens: int, window: int, device=None) -> torch.Tensor:

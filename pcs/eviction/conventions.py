@@ -3,15 +3,19 @@ KVCache-Factory differ, each a knob of the ``profile`` config group (pcs/conf/pr
 
 A profile sets them all at once; ``profile.<knob>=...`` varies one alone. Budgets stay absolute entries
 per KV head whatever the profile (``kvpress_ratio`` is the one conversion to kvpress's compression ratio).
+Torch-free (``top`` only calls the tensor's own methods), so the config's validation builds a profile before
+torch loads.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 CHOICES = {
     "avg_pool_padding": ("real", "zeros"),
@@ -44,10 +48,10 @@ class Conventions:
         """Ascending positions of the ``k`` highest of 1-D ``scores``, ties broken by the convention:
         ``earlier`` (stable: deterministic on every device) or ``topk`` (``torch.topk``'s own order)."""
         if k <= 0:
-            return torch.empty(0, dtype=torch.long, device=scores.device)
+            return scores.new_empty(0).long()
         if self.ties == "topk":
             return scores.topk(k).indices.sort().values
-        return torch.sort(scores, descending=True, stable=True).indices[:k].sort().values
+        return scores.sort(descending=True, stable=True).indices[:k].sort().values
 
 
 PAPER = Conventions()

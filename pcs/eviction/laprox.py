@@ -28,13 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from ..config import check_room
-from .base import LayerState, Method, check_choice, window_positions
+from .base import LayerState, Method, window_positions
 from .scores import group_mean, pool_scores, window_attention
 from .conventions import PAPER
 
-SCOPES = ("model", "layer", "head")
-GQA_MODES = ("mean_of_scores", "attention_first")
-POOL_TARGETS = ("score", "attention")
 
 
 def value_output_norms(values: torch.Tensor, o_proj_weight: torch.Tensor) -> torch.Tensor:
@@ -66,9 +63,6 @@ class LaProx(Method):
 
     def __post_init__(self):
         check_room(self.budget, self.window, self.sinks)
-        check_choice("method.gqa", self.gqa, GQA_MODES)
-        check_choice("method.pool_on", self.pool_on, POOL_TARGETS)
-        check_choice("method.scope", self.scope, SCOPES)
 
     @property
     def model_wide(self) -> bool:

@@ -61,27 +61,34 @@ def rows_per_chunk(budget_bytes: int, row_elements: int, dtype: torch.dtype) -> 
     return max(1, budget_bytes // per_row)
 
 
-def projected_value_norms(values: torch.Tensor, o_proj_weight: torch.Tensor,
-                          max_bytes: int | None = None) -> torch.Tensor:
-    """``||v_i W^O_h||_1`` for every query head h and token i -> (H_q, n) float32.
-
-    ``o_proj_weight`` is the (hidden, H_q * d) weight of the output projection; query head h owns its
-    input columns ``[h*d, (h+1)*d)``. Work goes head by head and in token chunks so that the temporary
-    (chunk x hidden) product never takes more than ``max_bytes`` (default: the bytes of ``values``, so
-    the whole computation stays within one layer's keys and values), never a tokens x heads x hidden tensor.
-    """
-    n_kv_heads, n, d = values.shape
+def head_weights(o_proj_weight: torch.Tensor, d: int) -> torch.Tensor:
+    """(H_q, d, hidden): query head h's slice ``W^O_h`` of the output projection (hidden, H_q * d), so that
+    ``v @ head_weights(...)[h]`` is ``v W^O_h``, the head's contribution to the layer's output."""
     hidden, qd = o_proj_weight.shape
-    n_q_heads = qd // d
-    group = n_q_heads // n_kv_heads
-    if max_bytes is None:
-        max_bytes = values.nbytes
-    chunk = min(n, rows_per_chunk(max_bytes, hidden, values.dtype))
-    norms = torch.empty(n_q_heads, n, dtype=torch.float32, device=values.device)
-    for h in range(n_q_heads):
-        w_h = o_proj_weight[:, h * d:(h + 1) * d]          # (hidden, d): v W^O_h == w_h @ v
-        v = values[h // group]
-        for start in range(0, n, chunk):
-            # One unnamed (chunk, hidden) product at a time: a named one would live on beside the next.
-            norms[h, start:start + chunk] = (v[start:start + chunk] @ w_h.T).float().abs_().sum(dim=-1)
-    return norms
+    return o_proj_weight.view(hidden, qd // d, d).permute(1, 2, 0)
+
+
+def norm_tile(values: torch.Tensor, group: int, hidden: int) -> int:
+    """Rows per product of ``projected_value_norms`` for one layer's (H_kv, m, d) prefix values: the
+    (group, rows, hidden) product and its float32 copy take at most half of the values' bytes, so the
+    temporaries stay within one layer's keys and values."""
+    return rows_per_chunk(values.nbytes // 2, group * hidden, values.dtype)
+
+
+def projected_value_norms(rows: torch.Tensor, weights: torch.Tensor, tile: int) -> torch.Tensor:
+    """``||v_i W^O_h||_1`` for the (r, d) value rows ``v_i`` of one KV head and the (group, d, hidden)
+    slices ``W^O_h`` of its query heads -> (group, r) float32.
+
+    The rows go through the product ``tile`` at a time, the last tile padded with zeros: every row's norm
+    comes from the same (tile, d) x (d, hidden) product whichever other rows are scored with it, so an
+    entry's score does not depend on the set it is scored in (exhaustive or bounded stage 2), bit for bit.
+    """
+    r, d = rows.shape
+    n_tiles = -(-r // tile)
+    padded = rows.new_zeros(n_tiles * tile, d)
+    padded[:r] = rows
+    norms = torch.empty(weights.shape[0], n_tiles * tile, dtype=torch.float32, device=rows.device)
+    for start in range(0, n_tiles * tile, tile):
+        # One unnamed (group, tile, hidden) product at a time: a named one would live on beside the next.
+        norms[:, start:start + tile] = (padded[start:start + tile] @ weights).float().abs_().sum(dim=-1)
+    return norms[:, :r]

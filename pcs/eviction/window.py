@@ -13,12 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from ..config import check_room
-from .base import LayerState, Method, check_choice, window_positions
+from .base import LayerState, Method, window_positions
 from .conventions import PAPER, Conventions
 from .scores import group_mean, pool_scores, window_attention
 from .selection import AttentionSelection, PerturbationSelection, WindowScores
-
-POOLINGS = ("max", "avg")
 
 
 @dataclass
@@ -32,7 +30,6 @@ class WindowEviction(Method):
 
     def __post_init__(self):
         check_room(self.budget, self.window)
-        check_choice("method.pooling", self.pooling, POOLINGS)
 
     @property
     def two_stage(self) -> bool:
@@ -47,7 +44,7 @@ class WindowEviction(Method):
         two-stage selection keeps them before its second stage (kvpress's AdaKV safeguard)."""
         return 0
 
-    def plan(self, layer: LayerState) -> tuple[WindowScores, torch.Tensor] | None:
+    def plan(self, layer: LayerState) -> tuple[WindowScores, list[int]] | None:
         """The layer's prefix scores and prefix budgets, one row per KV head (per query head where query
         heads choose apart, ``gqa=per_query_head``), or None if the layer stays whole."""
         n, w = layer.n_tokens, self.window
@@ -76,7 +73,8 @@ class WindowEviction(Method):
         budgets = self.prefix_budgets(layer, ws.stage1)
         if valid is not None:
             budgets = torch.minimum(budgets, ws.valid.sum(dim=1).to(budgets.device))
-        return None if int(budgets.min()) >= m else (ws, budgets)
+        budgets = budgets.tolist()      # the selections index and size by them on the host: one read
+        return None if min(budgets) >= m else (ws, budgets)
 
     def keep(self, layer: LayerState):
         planned = self.plan(layer)
