@@ -6,7 +6,8 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
 from pcs.benchmarks.base import checked_benchmark
-from pcs.config import ConfigError, validate
+from pcs.config import validate
+from pcs.errors import ConfigError
 
 
 @hydra.main(version_base="1.3", config_path="pcs/conf", config_name="config")

@@ -20,12 +20,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from .errors import ConfigError
+
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-class ConfigError(ValueError):
-    """A user-fixable config problem."""
 
 
 # Knobs added to an option after runs were saved, each with the value that reproduces what a run saved

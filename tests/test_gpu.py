@@ -127,3 +127,57 @@ def test_cuda_graph_decoding_gives_eager_tokens_and_never_syncs_inside_a_step():
         pool.forward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def cuda_layer(n, seed=0, dtype=torch.bfloat16, h_kv=8, h_q=32, d=128, hidden=4096):
+    """One layer of Llama-3.1-8B's shapes with random bfloat16 values, on the GPU."""
+    from pcs.eviction.base import LayerState
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g, device="cuda", dtype=dtype)   # noqa: E731
+    return LayerState(10, 32, rand(h_kv, n, d), rand(h_kv, n, d), rand(h_q, 32, d) * 2, rand(hidden, h_q * d) / 64)
+
+
+STAGE2_CELLS = [("method=snapkv", "selection=perturbation"), ("method=pyramidkv", "selection=perturbation"),
+                ("method=adakv", "selection=perturbation"), ("preset=criticalkv", "method=snapkv"),
+                ("preset=criticalkv", "method=adakv"), ("method=adakv", "profile=adakv", "selection=perturbation")]
+
+
+@pytest.mark.parametrize("cell", STAGE2_CELLS)
+def test_cuda_layer_compression_syncs_a_constant_number_of_times(cell):
+    """CUDA's own count of host synchronisations (set_sync_debug_mode warns at each) in one layer's compression is
+    the same at 4K and 32K tokens and at most test_selection.MOST_HOST_READS (the budgets, AdaKV's allocation, one
+    per round of stage-2 candidates)."""
+    import warnings
+    from test_selection import MOST_HOST_READS
+    chosen = build_method(compose_cfg(*cell, "budget=1024"))
+    counts = []
+    for n in (4096, 32768):
+        layer = cuda_layer(n)
+        chosen.keep(layer)                                    # warm-up: kernels, allocator
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                chosen.keep(layer)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchroniz" in str(w.message) for w in caught))
+    assert counts[0] == counts[1] <= MOST_HOST_READS, counts
+
+
+@pytest.mark.parametrize("cell", STAGE2_CELLS)
+def test_cuda_bounded_stage2_keeps_what_exhaustive_stage2_keeps(cell):
+    """On the GPU, in bfloat16, with Llama-3.1-8B's shapes: the bounded stage 2 keeps the exhaustive one's entries."""
+    import functools
+    chosen = build_method(compose_cfg(*cell, "budget=512"))
+    for seed, n in ((0, 4096), (1, 9000)):
+        layer = cuda_layer(n, seed)
+        fast = chosen.keep(layer)
+        selection = chosen.selection
+        selection.select = functools.partial(type(selection).select, selection, exhaustive=True)
+        try:
+            plain = chosen.keep(layer)
+        finally:
+            del selection.select
+        assert [f.tolist() for f in fast] == [p.tolist() for p in plain]

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 import pcs.runner
 from pcs.identity import RunIdentity
 from pcs.benchmarks.base import build_benchmark
-from pcs.config import ConfigError
+from pcs.errors import ConfigError
 from pcs.runner import run
 
 from conftest import compose_cfg

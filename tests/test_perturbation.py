@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 import pcs.runner
 from pcs.identity import RunIdentity
-from pcs.config import ConfigError
+from pcs.errors import ConfigError
 from pcs.eviction import build_method
 from pcs.eviction.base import Method
 from pcs.output_perturbation import measure, run_prefill

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pcs.config import ConfigError
+from pcs.errors import ConfigError
 from pcs.eviction import build_method
 from pcs.eviction.adakv import AdaKV
 from pcs.eviction.base import LayerState

@@ -11,7 +11,7 @@ import pytest
 
 import pcs.runner
 from pcs.identity import RunIdentity
-from pcs.config import ConfigError
+from pcs.errors import ConfigError
 from pcs.runner import run
 
 from conftest import compose_cfg

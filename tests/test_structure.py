@@ -11,7 +11,8 @@ PCS = Path(__file__).resolve().parent.parent / "pcs"
 TORCH_FREE = ["pcs.config", "pcs.identity", "pcs.run_folder", "pcs.report.__main__", "pcs.rescore", "pcs.annotate",
               "pcs.benchmarks.needle", "pcs.benchmarks.longbench", "pcs.benchmarks.alpacaeval",
               "pcs.benchmarks.perturbation_analysis", "pcs.plots.needle", "pcs.plots.savings",
-              "pcs.plots.output_perturbation", "pcs.projection", "pcs.benchmarks.longbench_data", "pcs.status"]
+              "pcs.plots.output_perturbation", "pcs.projection", "pcs.benchmarks.longbench_data", "pcs.status",
+              "pcs.eviction.conventions", "pcs.benchmarks.ruler"]
 # What benchmarks and plots must not import: the model side, the per-sample steps, the runner, the report.
 LATER_OR_MODEL = ("pcs.models", "pcs.cache", "pcs.compression", "pcs.eviction", "pcs.engine", "pcs.generate",
                   "pcs.output_perturbation", "pcs.runner", "pcs.report", "pcs.bench")

@@ -24,7 +24,8 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLaunche
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from pcs.benchmarks.base import checked_benchmark
-from pcs.config import ConfigError, positive_int
+from pcs.config import positive_int
+from pcs.errors import ConfigError
 from pcs.slurm_queue import ENDED_STATES, queue_states
 from pcs.sweep import describe, plan
 

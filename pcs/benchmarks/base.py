@@ -14,7 +14,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ..config import ConfigError, load_class, validate
+from ..config import load_class, validate
+from ..errors import ConfigError
 from ..prompts import PromptIds, encode_prompt
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import inspect
 
-from ..config import ConfigError, check_knob_values, knobs, load_class, uses
+from ..config import check_knob_values, knobs, load_class, uses
+from ..errors import ConfigError
 from .conventions import Conventions
 
 

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
