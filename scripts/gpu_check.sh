@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, for a CUDA machine with no internet: the GPU-only tests (pytest -m gpu) and the long-context
 # bench (Llama-3.1-8B shapes, random bfloat16 weights, 8K-128K tokens, every method x selection at budgets 128
-# and 1024; the perturbation analysis at 32K), written to results/bench/gpu_<device>.jsonl (and
+# and 1024, and preset=criticalkv with its attention baseline; the perturbation analysis at 32K), written to results/bench/gpu_<device>.jsonl (and
 # gpu_<device>_analysis.jsonl) with its table and targets in results/bench/README.md.
 #
 #   make gpu-wheels            # beforehand, where a registry is reachable: wheels/ (git-ignored, < 64 MiB)
@@ -45,7 +45,7 @@ tests_rc=0   # a failing test does not stop the bench; the script exits with the
 [ "${APPEND:-0}" = 1 ] || : > "$OUT_FILE"
 for context in $CONTEXTS; do   # one process per context: each context's rows land as soon as they are measured
   "$PY" -m pcs.bench --model llama31-shape --layers 32 --contexts "$context" --device cuda \
-      --methods $METHODS --selections attention perturbation --budgets 128 1024 \
+      --methods $METHODS --selections attention perturbation --budgets 128 1024 --presets criticalkv \
       --repeats "$REPEATS" --decode-tokens 32 --pools 1 8 32 64 --json | tee -a "$OUT_FILE"
 done
 [ "${ANALYSIS:-1}" = 0 ] || "$PY" -m pcs.bench --perturbation-analysis --model llama31-shape --layers 32 \
