@@ -45,20 +45,29 @@ def cell_config(hydra_context, config: DictConfig, overrides: Sequence[str], job
 
 
 def planned(cfgs: list[DictConfig], launcher: str, shards: int) -> list[list[int]]:
-    """The groups, printed; a config error (a knob, the data, the shards) stops the sweep before anything runs or
-    is submitted, as ``run.py`` does, torch-free."""
+    """The groups, printed; a config error (a knob, the shards) stops the sweep before anything runs or is
+    submitted, as ``run.py`` does, torch-free."""
     try:
         if not positive_int(shards):
             raise ConfigError(f"hydra.launcher.shards={shards!r} must be a positive integer (jobs per group of runs, "
                               f"each answering every shards-th sample)")
         groups = plan(cfgs)
-        for cfg in cfgs:
-            checked_benchmark(cfg)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     print(describe(cfgs, groups, launcher, shards), flush=True)
     return groups
+
+
+def check_benchmarks(cfgs: list[DictConfig]) -> None:
+    """Every run's benchmark knobs and data, torch-free, before anything runs or is submitted (not in a dry run,
+    which only shows the plan, wherever the data is)."""
+    try:
+        for cfg in cfgs:
+            checked_benchmark(cfg)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 def returns(cfgs, overrides, status: JobStatus, values) -> list[JobReturn]:
@@ -107,6 +116,7 @@ class GroupingLauncher(Launcher):
         groups = planned(cfgs, "local", self.shards)
         if self.dry_run:
             return returns(cfgs, job_overrides, JobStatus.COMPLETED, [None] * len(cfgs))
+        check_benchmarks(cfgs)
         done = [run_group([cfgs[i] for i in group], [job_overrides[i] for i in group], (k, self.shards))
                 for group in groups for k in range(self.shards)]
         return per_run(len(cfgs), groups, done, self.shards)
@@ -125,6 +135,7 @@ class Grouped:
         groups = planned(cfgs, self._EXECUTOR, self.shards)
         if self.dry_run:
             return returns(cfgs, job_overrides, JobStatus.COMPLETED, [None] * len(cfgs))
+        check_benchmarks(cfgs)
         jobs = [[CELLS + json.dumps({"runs": [list(job_overrides[i]) for i in group], "shard": [k, self.shards]})]
                 for group in groups for k in range(self.shards)]        # one task of the job array each
         owners = [group for group in groups for _ in range(self.shards)]      # each job's group
