@@ -173,13 +173,13 @@ class Stage2:
         pending = [(g, k, self.bound(g)) for g, k in enumerate(counts) if k > 0]
         work.heads, work.entries = work.heads + len(pending), work.entries + self.m * len(pending)
         for round_, widening in enumerate(WIDENINGS):
-            checks = [self.candidates(g, k, bound, min(self.m, max(widening * k, k + 64)), scores)
-                      for g, k, bound in pending]
-            if not checks:
+            if not pending:
                 break
+            sizes = [min(self.m, max(widening * k, k + 64)) for _, k, _ in pending]
+            checks = [self.candidates(g, k, bound, c, scores) for (g, k, bound), c in zip(pending, sizes)]
             verified = torch.stack(checks).tolist()                     # the round's one wait for the device
             work.host_reads += 1
-            work.exact += sum(min(self.m, max(widening * k, k + 64)) for _, k, _ in pending)
+            work.exact += sum(sizes)
             work.widened += 0 if round_ else verified.count(False)
             pending = [head for head, ok in zip(pending, verified) if not ok]
         for g, _, _ in pending:
