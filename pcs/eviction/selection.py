@@ -5,7 +5,7 @@
 other ``B_h - stage1`` by the perturbation score, which bounds how far the head's output can move.
 
 Stage 2 ranks ``A x ||v W^O_h||_1``; the norm costs d x hidden multiply-adds per entry and query head, so it
-is computed only for the entries that an upper bound of d multiply-adds cannot rule out (``Stage2.bounded``).
+is computed only for the entries that an upper bound of d^2 multiply-adds cannot rule out (``Stage2.bounded``).
 The entries kept are those of scoring every entry (``exhaustive=True``, the reference the tests hold it to).
 """
 from __future__ import annotations
