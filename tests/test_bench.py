@@ -86,6 +86,12 @@ def test_bench_pairs_each_perturbation_row_with_attention_under_the_same_preset(
     main(["--report", str(path)])
     report = capsys.readouterr().out
     line = next(x for x in report.splitlines() if x.startswith("- perturbation over attention selection"))
-    ratios = sorted(r["prefill_s"] / a["prefill_s"] for r, a in ((rows[2], rows[1]), (rows[4], rows[3])))
+    pairs = ((rows[2], rows[1]), (rows[4], rows[3]))
+    # The compressions' difference over the attention row's prefill, and the whole prefills' ratio beside it.
+    ratios = sorted((a["prefill_s"] - a["compress_s"] + r["compress_s"]) / a["prefill_s"] for r, a in pairs)
+    walls = sorted(r["prefill_s"] / a["prefill_s"] for r, a in pairs)
+    assert all(0 < r["compress_s"] < r["prefill_s"] for r in rows[1:])
     assert f"{ratios[0]:.3f}x to {ratios[1]:.3f}x over 2 pairs" in line
+    assert f"whole prefills' ratios {walls[0]:.3f}x to {walls[1]:.3f}x" in line
     assert "| perturbation (criticalkv) |" in report
+    assert "| 400 | snapkv | 128 | paper |" in report and "| 400 | snapkv | 128 | preset=criticalkv |" in report

@@ -12,8 +12,8 @@ from pcs.eviction.adakv import AdaKV
 from pcs.eviction.base import LayerState
 from pcs.eviction.snapkv import SnapKV
 from pcs.eviction.conventions import Conventions
-from pcs.eviction.scores import head_weights, norm_tile, projected_value_norms
-from pcs.eviction.selection import WIDENINGS, AttentionSelection, PerturbationSelection, WindowScores
+from pcs.eviction.scores import group_weights, norm_tile, projected_value_norms, top_eigenvalue_bound
+from pcs.eviction.selection import AttentionSelection, PerturbationSelection, Stage2, WindowScores
 
 from conftest import compose_cfg
 
@@ -118,23 +118,70 @@ def test_short_prompt_is_left_whole():
 
 def test_value_norms_equal_brute_force_whatever_the_tile():
     layer = random_layer(5, n=37)
-    d = layer.values.shape[-1]
-    weights = head_weights(layer.o_proj_weight, d)                        # (H_q, d, hidden)
+    n_kv, _, d = layer.values.shape
     _, _, _, N = brute_force_scores(layer.keys, layer.values, layer.window_queries, layer.o_proj_weight, 8, 1, "max")
-    group = weights.shape[0] // layer.values.shape[0]
+    group = layer.window_queries.shape[0] // n_kv
     for tile in (1, 5, 37, 64):
-        norms = torch.cat([projected_value_norms(layer.values[g], weights[g * group:(g + 1) * group], tile)
-                           for g in range(layer.values.shape[0])])
+        norms = torch.cat([projected_value_norms(layer.values[g], group_weights(
+            layer.o_proj_weight, slice(g * group, (g + 1) * group), d), group, tile) for g in range(n_kv)])
         torch.testing.assert_close(norms[:, :29].double(), N, rtol=1e-5, atol=1e-4)
 
 
 def test_an_entrys_norm_does_not_depend_on_the_rows_scored_with_it():
     """Bounded and exhaustive stage 2 score different sets of rows; each row's norm must be the same bits."""
     layer = random_layer(9, n=300, d=16, hidden=96)
-    weights = head_weights(layer.o_proj_weight, 16)[:3]
-    every = projected_value_norms(layer.values[0], weights, 32)
+    weights = group_weights(layer.o_proj_weight, slice(0, 3), 16)
+    every = projected_value_norms(layer.values[0], weights, 3, 32)
     some = torch.tensor([299, 3, 150, 151, 7, 64])
-    assert torch.equal(projected_value_norms(layer.values[0][some], weights, 32), every[:, some])
+    assert torch.equal(projected_value_norms(layer.values[0][some], weights, 3, 32), every[:, some])
+
+
+def test_top_eigenvalue_bound_is_above_the_eigensolvers_and_close_to_it():
+    """Against torch.linalg.eigvalsh: never below the largest eigenvalue, and within the d^(1/256) the repeated
+    squaring promises, for full-rank, rank-one, equal-eigenvalue and zero Gram matrices."""
+    g = torch.Generator().manual_seed(2)
+    d = 32
+    w = torch.randn(5, d, 3 * d, generator=g)
+    grams = torch.cat([w @ w.transpose(1, 2),
+                       (lambda v: v @ v.T)(torch.randn(d, 1, generator=g))[None],
+                       7.5 * torch.eye(d)[None], torch.zeros(1, d, d)])
+    bound = top_eigenvalue_bound(grams)
+    largest = torch.linalg.eigvalsh(grams.double())[:, -1]
+    assert (bound.double() >= largest * (1 - 1e-6)).all(), (bound, largest)
+    assert (bound.double() <= largest * d ** (1 / 256) * (1 + 1e-5) + 1e-30).all(), (bound, largest)
+
+
+def test_output_projection_is_computed_once_per_weight_and_again_after_a_change():
+    from pcs.eviction.scores import output_projection
+    weight = torch.randn(24, 4 * 8)
+    first = output_projection(weight, 8)
+    assert output_projection(weight, 8) is first
+    torch.testing.assert_close(first.grams[1], weight[:, 8:16].T @ weight[:, 8:16])
+    weight.mul_(2)                                             # in place: the tensor's version moves
+    assert torch.allclose(output_projection(weight, 8).grams, 4 * first.grams)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gqa", ["mean_of_products", "product_of_means"])
+def test_both_bounds_are_above_every_computed_score(dtype, gqa):
+    """The d and d^2 upper bounds of stage 2 hold for every entry against the exact scores as computed (in the
+    values' dtype), including value vectors that nearly cancel in some output coordinates."""
+    g = torch.Generator().manual_seed(4)
+    n_kv, group, m, d, hidden = 2, 3, 500, 16, 48
+    values = torch.randn(n_kv, m, d, generator=g)
+    values[:, :50] *= 1e-3                                                   # tiny entries
+    values[:, 50:100] = values[:, 100:150] * 1e4                              # large ones
+    weight = torch.randn(hidden, n_kv * group * d, generator=g)
+    weight[:, :d] = weight[:, :1]                                            # a rank-one head
+    mean, pooled, stage1 = attention_like(n_kv, group, m, True, g)
+    ws = WindowScores(mean, pooled, stage1, values.to(dtype), weight.to(dtype))
+    stage2 = Stage2(PerturbationSelection(gqa=gqa), ws, torch.zeros(n_kv, m, dtype=torch.bool), [100, 100])
+    exact = stage2.exhaustive()
+    spectral = stage2.spectral_bounds()
+    assert (spectral >= exact).all()
+    gram = torch.stack([stage2.gram_bound(r, torch.arange(m)) for r in range(n_kv)])
+    assert (gram >= exact).all()
+    assert (gram <= spectral * 1.01).all()    # the d^2 bound is the tighter, up to the eigenvalue bound's rounding
 
 
 def attention_like(n_rows, group, m, peaked, generator):
@@ -158,9 +205,9 @@ def test_bounded_stage2_keeps_what_exhaustive_scoring_keeps(ties, gqa, source, e
     sel = PerturbationSelection(alpha=0.25, stage2_source=source, epsilon=epsilon, gqa=gqa)
     fast, plain = sel.select([40, 120], ws), sel.select([40, 120], ws, exhaustive=True)
     assert [f.tolist() for f in fast] == [p.tolist() for p in plain]
-    if peaked and source == "unpooled":   # the bound rules most entries out: no head is scored exhaustively
-        assert sel.work.widened == 0 and sel.work.exact_share < 0.2
-    assert 1 <= sel.work.host_reads <= len(WIDENINGS)
+    if peaked and source == "unpooled":   # the bounds rule most entries out
+        assert sel.work.exact_share < 0.2 and sel.work.gram_share < 1
+    assert 1 <= sel.work.host_reads <= Stage2.MOST_READS
 
 
 @pytest.mark.parametrize("ties", ["earlier", "topk"])
@@ -211,8 +258,8 @@ def test_value_norms_need_no_more_memory_than_one_layers_keys_and_values():
     ws = WindowScores(mean, mean, mean.view(n_kv, group, m).mean(1), values, weight)
     budgets = [96] * n_kv
     selection = PerturbationSelection()
-    weights = head_weights(weight, d)[:group]
-    for compute in (lambda: projected_value_norms(values[0], weights, norm_tile(values, group, hidden)),
+    weights = group_weights(weight, slice(0, group), d)
+    for compute in (lambda: projected_value_norms(values[0], weights, group, norm_tile(values, group, hidden)),
                     lambda: selection.select(budgets, ws),
                     lambda: selection.select(budgets, ws, exhaustive=True)):
         assert 0 < peak_allocated_bytes(compute) <= layer_kv_bytes
@@ -234,12 +281,12 @@ def every_method(profile, gqa):
         for m in ("snapkv", "adakv")]
 
 
-def long_layer(seed, n=700, pad=None):
+def long_layer(seed, n=700, pad=None, sharpness=2.0):
     g = torch.Generator().manual_seed(seed)
     h_kv, h_q, d, hidden = 2, 6, 16, 48
     K, V = torch.randn(h_kv, n, d, generator=g), torch.randn(h_kv, n, d, generator=g)
-    return LayerState(3, 8, K, V, torch.randn(h_q, 64, d, generator=g) * 2, torch.randn(hidden, h_q * d, generator=g),
-                      pad)
+    return LayerState(3, 8, K, V, torch.randn(h_q, 64, d, generator=g) * sharpness,
+                      torch.randn(hidden, h_q * d, generator=g), pad)
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -247,7 +294,9 @@ def long_layer(seed, n=700, pad=None):
 def test_every_method_profile_and_gqa_mode_keeps_what_exhaustive_stage2_keeps(profile, gqa):
     """Whole methods (allocation, stage 1, stage 2) on full prompts and on heads padded at the front as decoding-time
     recompression gives them: the bounded stage 2 keeps exactly the exhaustive one's entries."""
-    layers = [long_layer(1), long_layer(2, pad=torch.tensor([0, 137]))]
+    # The sharper the attention, the fewer entries the bounds leave after the first round.
+    layers = [long_layer(1), long_layer(2, pad=torch.tensor([0, 137])), long_layer(5, sharpness=6.0)]
+    works = []
     for method in every_method(profile, gqa):
         for layer in layers:
             fast = method.keep(layer)
@@ -256,6 +305,9 @@ def test_every_method_profile_and_gqa_mode_keeps_what_exhaustive_stage2_keeps(pr
                 patch.setattr(method.selection, "select", exhaustive)
                 plain = method.keep(layer)
             assert [f.tolist() for f in fast] == [p.tolist() for p in plain], (profile, gqa, method)
+        works.append(method.selection.work)
+    # Both of stage 2's paths ran: heads the first round settled, and heads that needed the second.
+    assert 0 < sum(w.widened for w in works) < sum(w.heads for w in works)
 
 
 class HostReads(TorchDispatchMode):
@@ -288,7 +340,7 @@ class HostReads(TorchDispatchMode):
 
 # Host reads of one layer's compression, at most: the budgets (1), AdaKV's allocation (1), stage 2's checks (one
 # per round of candidates).
-MOST_HOST_READS = 2 + len(WIDENINGS)
+MOST_HOST_READS = 2 + Stage2.MOST_READS
 
 
 @pytest.mark.parametrize("profile", PROFILES)

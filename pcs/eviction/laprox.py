@@ -29,26 +29,19 @@ import torch
 
 from ..config import check_room
 from .base import LayerState, Method, window_positions
-from .scores import group_mean, pool_scores, window_attention
+from .scores import group_mean, output_projection, pool_scores, quadratic_forms, window_attention
 from .conventions import PAPER
 
 
 
 def value_output_norms(values: torch.Tensor, o_proj_weight: torch.Tensor) -> torch.Tensor:
     """``||v_i W^O_h||_2`` for every query head h and token i -> (H_q, n) float32, through the Gram
-    matrix ``W^O_h^T W^O_h`` (d x d): d^2 multiply-adds per token and head instead of d x hidden."""
+    matrices of ``output_projection``: d^2 multiply-adds per token and head instead of d x hidden."""
     n_kv_heads, n, d = values.shape
-    hidden, qd = o_proj_weight.shape
-    n_q_heads = qd // d
-    group = n_q_heads // n_kv_heads
-    w = o_proj_weight.float().view(hidden, n_q_heads, d)
-    gram = torch.einsum("ohd,ohe->hde", w, w)                                  # (H_q, d, d)
-    norms = torch.empty(n_q_heads, n, dtype=torch.float32, device=values.device)
-    for g in range(n_kv_heads):
-        v = values[g].float()
-        for h in range(g * group, (g + 1) * group):
-            norms[h] = ((v @ gram[h]) * v).sum(dim=-1).clamp_min(0).sqrt()
-    return norms
+    grams = output_projection(o_proj_weight, d).grams                          # (H_q, d, d)
+    group = grams.shape[0] // n_kv_heads
+    return torch.cat([quadratic_forms(values[g], grams[g * group:(g + 1) * group], values.nbytes // 2)
+                      for g in range(n_kv_heads)]).clamp_min(0).sqrt()
 
 
 @dataclass

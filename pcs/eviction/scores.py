@@ -6,9 +6,11 @@ Query head h reads KV head h // group, as in grouped-query attention.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakTensorKeyDictionary
 
 
 def window_attention(window_queries: torch.Tensor, keys: torch.Tensor,
@@ -61,34 +63,96 @@ def rows_per_chunk(budget_bytes: int, row_elements: int, dtype: torch.dtype) -> 
     return max(1, budget_bytes // per_row)
 
 
-def head_weights(o_proj_weight: torch.Tensor, d: int) -> torch.Tensor:
-    """(H_q, d, hidden): query head h's slice ``W^O_h`` of the output projection (hidden, H_q * d), so that
-    ``v @ head_weights(...)[h]`` is ``v W^O_h``, the head's contribution to the layer's output."""
+# Squarings of a Gram matrix in the bound of its largest eigenvalue: within d^(1 / 2^(SQUARINGS + 1)) of it.
+SQUARINGS = 7
+
+
+def top_eigenvalue_bound(grams: torch.Tensor) -> torch.Tensor:
+    """(..., d, d) symmetric positive semi-definite matrices -> (...,) upper bounds of their largest eigenvalues:
+    ``lambda_max^p <= ||G^(p/2)||_F^2`` for ``p = 2^(SQUARINGS + 1)``, by repeated squaring (renormalised each time
+    so that nothing overflows). Matrix products only: no eigensolver, which would wait for a GPU."""
+    tiny = torch.finfo(torch.float32).tiny
+    scale = grams.flatten(-2).norm(dim=-1).clamp_min(tiny)
+    x = grams / scale[..., None, None]
+    log = torch.zeros_like(scale)            # log of the factor between x and (G / scale)^(2^i)
+    for _ in range(SQUARINGS):
+        x = x @ x
+        norm = x.flatten(-2).norm(dim=-1).clamp_min(tiny)
+        x = x / norm[..., None, None]
+        log = 2 * log + norm.log()
+    return scale * torch.exp(log / 2 ** SQUARINGS)
+
+
+@dataclass(frozen=True)
+class OutputProjection:
+    """What the value-norm bounds need of a layer's output projection, for every query head h:
+    ``grams`` (H_q, d, d) float32 ``W^O_h W^O_h^T``, so that ``||v W^O_h||_2^2 = v G_h v`` (d^2 multiply-adds per
+    entry instead of d x hidden), and ``top_eigenvalues`` (H_q,) upper bounds of their largest eigenvalues, so
+    that ``||v W^O_h||_2^2 <= lambda ||v||_2^2`` (d)."""
+    grams: torch.Tensor
+    top_eigenvalues: torch.Tensor
+    version: int
+
+
+_projections = WeakTensorKeyDictionary()
+
+
+def output_projection(o_proj_weight: torch.Tensor, d: int) -> OutputProjection:
+    """``OutputProjection`` of the (hidden, H_q * d) weight, computed once per weight tensor (a model's weights
+    do not change between prompts; an in-place change is seen by the tensor's version)."""
+    cached = _projections.get(o_proj_weight)
+    if cached is not None and cached.version == o_proj_weight._version and cached.grams.shape[-1] == d:
+        return cached
     hidden, qd = o_proj_weight.shape
-    return o_proj_weight.view(hidden, qd // d, d).permute(1, 2, 0)
+    w = o_proj_weight.detach().float().view(hidden, qd // d, d)
+    grams = torch.einsum("ohd,ohe->hde", w, w)
+    projection = OutputProjection(grams, top_eigenvalue_bound(grams), o_proj_weight._version)
+    _projections[o_proj_weight] = projection
+    return projection
+
+
+def quadratic_forms(values: torch.Tensor, grams: torch.Tensor, budget_bytes: int) -> torch.Tensor:
+    """``v G_h v`` for (n, d) value rows and (group, d, d) matrices -> (group, n) float32: one product with the
+    matrices side by side per chunk of rows, each chunk's temporaries within ``budget_bytes``."""
+    group, d, _ = grams.shape
+    side_by_side = grams.permute(1, 0, 2).reshape(d, group * d)
+    chunk = rows_per_chunk(budget_bytes, 2 * group * d, torch.float32)
+    out = torch.empty(group, values.shape[0], dtype=torch.float32, device=values.device)
+    for start in range(0, values.shape[0], chunk):
+        v = values[start:start + chunk].float()
+        out[:, start:start + chunk] = ((v @ side_by_side).view(-1, group, d) * v[:, None, :]).sum(-1).T
+    return out
+
+
+def group_weights(o_proj_weight: torch.Tensor, heads: slice, d: int) -> torch.Tensor:
+    """(d, group * hidden): the slices ``W^O_h`` (d, hidden) of the query heads ``heads`` side by side, a copy, so
+    that ``v @ group_weights(...)`` is every ``v W^O_h`` of the group in one product."""
+    hidden = o_proj_weight.shape[0]
+    w = o_proj_weight[:, heads.start * d:heads.stop * d].view(hidden, -1, d)            # (hidden, group, d)
+    return w.permute(2, 1, 0).reshape(d, -1)
 
 
 def norm_tile(values: torch.Tensor, group: int, hidden: int) -> int:
     """Rows per product of ``projected_value_norms`` for one layer's (H_kv, m, d) prefix values: the
-    (group, rows, hidden) product and its float32 copy take at most half of the values' bytes, so the
+    (rows, group * hidden) product and its float32 copy take at most half of the values' bytes, so the
     temporaries stay within one layer's keys and values."""
     return rows_per_chunk(values.nbytes // 2, group * hidden, values.dtype)
 
 
-def projected_value_norms(rows: torch.Tensor, weights: torch.Tensor, tile: int) -> torch.Tensor:
-    """``||v_i W^O_h||_1`` for the (r, d) value rows ``v_i`` of one KV head and the (group, d, hidden)
-    slices ``W^O_h`` of its query heads -> (group, r) float32.
+def projected_value_norms(rows: torch.Tensor, weights: torch.Tensor, group: int, tile: int) -> torch.Tensor:
+    """``||v_i W^O_h||_1`` for the (r, d) value rows ``v_i`` of one KV head and its ``group`` query heads' slices
+    ``W^O_h`` side by side (``group_weights``, (d, group * hidden)) -> (group, r) float32.
 
     The rows go through the product ``tile`` at a time, the last tile padded with zeros: every row's norm
-    comes from the same (tile, d) x (d, hidden) product whichever other rows are scored with it, so an
+    comes from the same (tile, d) x (d, group * hidden) product whichever other rows are scored with it, so an
     entry's score does not depend on the set it is scored in (exhaustive or bounded stage 2), bit for bit.
     """
     r, d = rows.shape
     n_tiles = -(-r // tile)
     padded = rows.new_zeros(n_tiles * tile, d)
     padded[:r] = rows
-    norms = torch.empty(weights.shape[0], n_tiles * tile, dtype=torch.float32, device=rows.device)
+    norms = torch.empty(n_tiles * tile, group, dtype=torch.float32, device=rows.device)
     for start in range(0, n_tiles * tile, tile):
-        # One unnamed (group, tile, hidden) product at a time: a named one would live on beside the next.
-        norms[:, start:start + tile] = (padded[start:start + tile] @ weights).float().abs_().sum(dim=-1)
-    return norms[:, :r]
+        # One unnamed (tile, group * hidden) product at a time: a named one would live on beside the next.
+        norms[start:start + tile] = (padded[start:start + tile] @ weights).float().abs_().view(tile, group, -1).sum(-1)
+    return norms[:r].T

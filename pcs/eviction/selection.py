@@ -5,8 +5,9 @@
 other ``B_h - stage1`` by the perturbation score, which bounds how far the head's output can move.
 
 Stage 2 ranks ``A x ||v W^O_h||_1``; the norm costs d x hidden multiply-adds per entry and query head, so it
-is computed only for the entries that an upper bound of d^2 multiply-adds cannot rule out (``Stage2.bounded``).
-The entries kept are those of scoring every entry (``exhaustive=True``, the reference the tests hold it to).
+is computed only for the entries that two upper bounds cannot rule out (``Stage2.bounded``): one of d
+multiply-adds per entry for every entry, one of d^2 for the entries the first leaves. The entries kept are
+those of scoring every entry (``exhaustive=True``, the reference the tests hold it to).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .conventions import PAPER, Conventions
-from .scores import head_weights, norm_tile, projected_value_norms
+from .scores import group_weights, norm_tile, output_projection, projected_value_norms, quadratic_forms
 
 
 @dataclass
@@ -44,14 +45,20 @@ class AttentionSelection:
 class Stage2Work:
     """What stage 2 computed, summed over the layers it selected in (``pcs.bench`` reports it)."""
     entries: int = 0          # prefix entries of those heads: what exhaustive scoring computes
-    exact: int = 0            # entries whose ||v W^O_h||_1 was computed (a widened head's candidates and all)
+    exact: int = 0            # entries whose ||v W^O_h||_1 was computed
+    gram: int = 0             # entries whose d^2 bound was computed (the d bound is computed for every entry)
     heads: int = 0            # KV heads (rows) that chose by stage 2
-    widened: int = 0          # of them, heads whose first candidates did not verify the cut (WIDENINGS)
-    host_reads: int = 0       # times stage 2 waited for the device (one per layer and round)
+    widened: int = 0          # of them, heads whose first candidates left entries to score (a second round)
+    host_reads: int = 0       # times stage 2 waited for the device
+    layers: int = 0           # layers it selected in
 
     @property
     def exact_share(self) -> float:
         return self.exact / self.entries if self.entries else 0.0
+
+    @property
+    def gram_share(self) -> float:
+        return self.gram / self.entries if self.entries else 0.0
 
 
 @dataclass
@@ -94,8 +101,8 @@ class PerturbationSelection:
             excluded[h, first] = True
         if ws.valid is not None:
             excluded |= ~ws.valid
-        stage2 = Stage2(self, ws, excluded)
-        scores = stage2.exhaustive() if exhaustive else stage2.bounded(counts, self.work)
+        stage2 = Stage2(self, ws, excluded, counts)
+        scores = stage2.exhaustive() if exhaustive else stage2.bounded(self.work)
         return [torch.cat([first, ws.conventions.top(scores[h], k)]).sort().values
                 for h, (first, k) in enumerate(zip(firsts, counts))]
 
@@ -103,101 +110,187 @@ class PerturbationSelection:
         return (ws.mean_attention if self.stage2_source == "unpooled" else ws.pooled_attention) + self.epsilon
 
     def combine(self, attention: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-        """(group, n) attention and norms of one KV head's query heads -> (n,) stage-2 scores. Monotone in
+        """(..., group, n) attention and norms of KV heads' query heads -> (..., n) stage-2 scores. Monotone in
         ``norms`` (attention is non-negative), so bounds on the norms give bounds on the scores."""
         if self.gqa == "mean_of_products":
-            return (attention * norms).mean(dim=0)
-        return attention.mean(dim=0) * norms.mean(dim=0)
+            return (attention * norms).mean(dim=-2)
+        return attention.mean(dim=-2) * norms.mean(dim=-2)
 
 
-# Candidates a head scores exactly, as multiples of its k (at least 64 more): the first round, then a wider one
-# for the heads the first could not verify; a head neither verifies is scored exhaustively. On the embedded
-# model's layers (4,096 tokens, results/bench/README.md) 2k held the top k in 97-99 % of heads under the paper's
-# selection, 8k in all; the released code's pooled, flatter scores need the second round more often.
-WIDENINGS = (2, 8)
+# Stage 2's first round, per KV head with k entries to choose: its best POOL x k entries (at least k + 64) by the
+# d-multiply-add bound get the d^2 bound, and its best k + max(k / 8, 16) of those by that bound their exact norm.
+# On the embedded model's layers (4,096 tokens, results/bench/README.md) the exact top k lay within 1.2-1.5 k
+# entries of the d^2 bound's order at the median and within 1.6-2.4 k of the d bound's (6-7 k for the released
+# code's flatter scores at budget 1,024); later rounds bound and score whatever the first could not rule out.
+POOL = 2
+
+
+# Relative room for rounding, on top of the values' dtype's: the bounds' float32 arithmetic (at most ~1e-5 of the
+# bound on these shapes) and the exact norm's float32 sums (hidden terms).
+ROUNDING = 1e-3
+
+
+def first_candidates(k: int) -> int:
+    return k + max(k // 8, 16)
+
+
+def norms_per_product(k: int, most: int) -> int:
+    """Entries per product of the exact norms when rows choose ``k`` entries: about k / 4 (a power of two, at
+    least 32), at most ``most`` (the memory's limit). Every product is that size, the last one padded, so smaller
+    products waste less on the few entries a round may leave; larger ones run faster per entry."""
+    return min(most, max(32, 1 << max(0, k // 4 - 1).bit_length()))
 
 
 class Stage2:
     """Stage 2 of one layer: ``A x ||v W^O_h||_1`` per KV head, over the entries stage 1 left
-    (``excluded``: stage 1's picks and padding, scored minus infinity)."""
+    (``excluded``: stage 1's picks and padding, scored minus infinity), ``counts[r]`` entries for row r. One row
+    per KV head (per query head where query heads choose apart)."""
+    MOST_READS = 3   # host reads per layer: rounds 1 and 2, and under torch.topk's tie rule a re-check of the cut
 
-    def __init__(self, selection: PerturbationSelection, ws: WindowScores, excluded: torch.Tensor):
-        self.selection, self.ws, self.excluded = selection, ws, excluded
-        self.rows, self.m = ws.stage1.shape                     # one row per KV head (per query head if they choose apart)
+    def __init__(self, selection: PerturbationSelection, ws: WindowScores, excluded: torch.Tensor, counts: list[int]):
+        self.selection, self.ws, self.excluded, self.counts = selection, ws, excluded, counts
+        self.rows, self.m = excluded.shape
         self.group = ws.mean_attention.shape[0] // self.rows    # query heads per row
         d = ws.prefix_values.shape[-1]
-        self.weights = head_weights(ws.o_proj_weight, d)        # (H_q, d, hidden)
-        self.attention = selection.stage2_attention(ws)         # (H_q, m)
-        self.tile = norm_tile(ws.prefix_values, self.group, ws.o_proj_weight.shape[0])
+        self.hidden = ws.o_proj_weight.shape[0]
+        self.attention = selection.stage2_attention(ws).view(self.rows, self.group, self.m)
+        # The same for the exhaustive and the bounded path: an entry's exact score is the same bits in both.
+        self.tile = norms_per_product(max(counts), norm_tile(ws.prefix_values, self.group, self.hidden))
+        self.slack = (1 + torch.finfo(ws.prefix_values.dtype).eps) * (1 + ROUNDING)
 
-    def heads(self, g: int) -> slice:
-        return slice(g * self.group, (g + 1) * self.group)
+    def exact(self, r: int, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """Row ``r``'s stage-2 scores of entries ``idx`` (all by default)."""
+        values = self.ws.prefix_values[r] if idx is None else self.ws.prefix_values[r][idx]
+        attention = self.attention[r] if idx is None else self.attention[r][:, idx]
+        weights = group_weights(self.ws.o_proj_weight, self.heads(r), values.shape[-1])   # (d, group * hidden)
+        return self.selection.combine(attention, projected_value_norms(values, weights, self.group, self.tile))
 
-    def exact(self, g: int, idx: torch.Tensor | None = None) -> torch.Tensor:
-        """Row ``g``'s stage-2 scores of entries ``idx`` (all by default)."""
-        values = self.ws.prefix_values[g] if idx is None else self.ws.prefix_values[g][idx]
-        attention = self.attention[self.heads(g)] if idx is None else self.attention[self.heads(g)][:, idx]
-        return self.selection.combine(attention, projected_value_norms(values, self.weights[self.heads(g)], self.tile))
+    def heads(self, r: int) -> slice:
+        return slice(r * self.group, (r + 1) * self.group)
 
     def exhaustive(self) -> torch.Tensor:
         """(rows, m) every entry's score, minus infinity where excluded: the reference."""
-        return torch.stack([self.exact(g) for g in range(self.rows)]).masked_fill(self.excluded, float("-inf"))
+        return torch.stack([self.exact(r) for r in range(self.rows)]).masked_fill(self.excluded, float("-inf"))
 
-    def bound(self, g: int) -> torch.Tensor:
-        """(m,) upper bounds of row ``g``'s scores, minus infinity where excluded. For ``y = v W^O_h`` of
-        ``hidden`` entries, ``||y||_1 <= sqrt(hidden) ||y||_2`` and ``||y||_2^2 = v G_h v`` with the d x d Gram
-        matrix ``G_h = W^O_h W^O_h^T``: d^2 multiply-adds per entry instead of d x hidden, and within ~25 % of the
-        norm when y's entries are of similar size. Room is left for float32's rounding of the quadratic form and
-        for the exact norm's rounding in the values' dtype."""
-        weights = self.weights[self.heads(g)].float()                        # (group, d, hidden)
-        gram = weights @ weights.transpose(1, 2)                             # (group, d, d)
-        values = self.ws.prefix_values[g].float()                            # (m, d)
-        group, d, hidden = weights.shape
-        # One query head at a time, so the temporaries are one (m, d) product, not the group's.
-        quadratic = torch.stack([((values @ gram[h]) * values).sum(-1) for h in range(group)])   # (group, m)
-        rounding = 2 * d * torch.finfo(torch.float32).eps * gram.flatten(1).norm(dim=-1)[:, None] \
-            * values.square().sum(-1)                                        # (group, m)
-        norms = ((quadratic + rounding).clamp_min(0) * hidden).sqrt()        # (group, m)
-        slack = (1 + torch.finfo(self.ws.prefix_values.dtype).eps) * (1 + 1e-4)
-        return (self.selection.combine(self.attention[self.heads(g)], norms) * slack).masked_fill(
-            self.excluded[g], float("-inf"))
+    def spectral_bounds(self) -> torch.Tensor:
+        """(rows, m) upper bounds of every entry's score: ``||y||_1 <= sqrt(hidden) ||y||_2`` for the ``hidden``
+        entries of ``y = v W^O_h``, and ``||v W^O_h||_2^2 <= lambda_max(G_h) ||v||_2^2``: d multiply-adds per
+        entry, shared by the group's query heads."""
+        projection = output_projection(self.ws.o_proj_weight, self.ws.prefix_values.shape[-1])
+        squares = self.ws.prefix_values.float().square().sum(-1)                          # (rows, m)
+        eigenvalues = projection.top_eigenvalues.view(self.rows, self.group, 1)
+        norms = (self.hidden * eigenvalues * squares[:, None, :]).sqrt()                  # (rows, group, m)
+        return (self.selection.combine(self.attention, norms) * self.slack).masked_fill(self.excluded, float("-inf"))
 
-    def bounded(self, counts: list[int], work: Stage2Work) -> torch.Tensor:
-        """(rows, m) scores that keep what ``exhaustive`` keeps: exact for each head's candidates (its best
-        bounds), minus infinity elsewhere. A head's candidates hold its top ``k`` when the k-th best exact score
-        beats the best bound left out (strictly, so every entry tied with the k-th is a candidate); under
-        torch.topk's tie rule a tie at the cut does not verify, as that rule's order depends on every entry. The
-        heads are checked together, one read from the device per round (``WIDENINGS``); a head no round
-        verifies is scored exhaustively (``work.widened`` counts the heads that needed more than one round)."""
-        scores = torch.full((self.rows, self.m), float("-inf"), device=self.excluded.device)
-        pending = [(g, k, self.bound(g)) for g, k in enumerate(counts) if k > 0]
-        work.heads, work.entries = work.heads + len(pending), work.entries + self.m * len(pending)
-        for round_, widening in enumerate(WIDENINGS):
-            if not pending:
-                break
-            sizes = [min(self.m, max(widening * k, k + 64)) for _, k, _ in pending]
-            checks = [self.candidates(g, k, bound, c, scores) for (g, k, bound), c in zip(pending, sizes)]
-            verified = torch.stack(checks).tolist()                     # the round's one wait for the device
-            work.host_reads += 1
-            work.exact += sum(sizes)
-            work.widened += 0 if round_ else verified.count(False)
-            pending = [head for head, ok in zip(pending, verified) if not ok]
-        for g, _, _ in pending:
-            work.exact += self.m
-            scores[g] = self.exact(g).masked_fill(self.excluded[g], float("-inf"))
+    def gram_bound(self, r: int, idx: torch.Tensor) -> torch.Tensor:
+        """(c,) upper bounds of row ``r``'s scores of entries ``idx``: ``sqrt(hidden) ||v W^O_h||_2`` with
+        ``||v W^O_h||_2^2 = v G_h v``, d^2 multiply-adds per entry and query head, within ~25 % of the norm when
+        y's entries are of similar size. Room is left for float32's rounding of the quadratic form."""
+        d = self.ws.prefix_values.shape[-1]
+        grams = output_projection(self.ws.o_proj_weight, d).grams[self.heads(r)]          # (group, d, d)
+        rounding = 2 * d * torch.finfo(torch.float32).eps * grams.flatten(1).norm(dim=-1)  # (group,)
+        values = self.ws.prefix_values[r][idx]                                            # (c, d)
+        quadratic = quadratic_forms(values, grams, self.ws.prefix_values.nbytes // 2) \
+            + rounding[:, None] * values.float().square().sum(-1)                         # (group, c)
+        norms = (quadratic.clamp_min(0) * self.hidden).sqrt()
+        return self.selection.combine(self.attention[r][:, idx], norms) * self.slack
+
+    def bounded(self, work: Stage2Work) -> torch.Tensor:
+        """(rows, m) scores that keep what ``exhaustive`` keeps: exact for every entry that can reach its row's
+        top ``k``, minus infinity elsewhere. Per row, with k entries to choose:
+
+        1. Its best ``POOL x k`` entries by the d bound get the d^2 bound, and the best of those
+           (``first_candidates``, rounded up to whole products) their exact scores. Their k-th best, the cut, is
+           at most the row's true k-th best score, so an entry whose bound falls below it cannot reach the top k.
+           One read for all rows: how many entries of the pool have a d^2 bound that reaches the cut, and how many
+           outside it a d bound that does.
+        2. The first are scored exactly; the second get the d^2 bound. One read: how many of them reach the cut.
+        3. Those are scored exactly.
+        Every entry tied with the k-th best is scored, so the stable tie rule picks as over all entries; under
+        torch.topk's rule, whose order among ties depends on every entry, a row with a tie at the cut is scored
+        exhaustively (a last read, when that rule applies and a row needed round 2)."""
+        inf = float("-inf")
+        scores = torch.full((self.rows, self.m), inf, device=self.excluded.device)
+        live = [r for r, k in enumerate(self.counts) if k > 0]
+        if not live:
+            return scores
+        pools = [min(self.m, max(POOL * k, k + 64)) for k in self.counts]
+        sizes = [min(pool, -(-first_candidates(k) // self.tile) * self.tile) for k, pool in zip(self.counts, pools)]
+        work.heads, work.entries, work.layers = work.heads + len(live), work.entries + self.m * len(live), work.layers + 1
+
+        # Round 1: the d^2 bound where computed (each row's pool), the d bound elsewhere.
+        spectral = self.spectral_bounds()                                                 # (rows, m)
+        bound, pool = spectral.topk(max(pools), dim=-1)
+        bound = bound.clone()
+        for r in live:
+            bound[r, :pools[r]] = torch.minimum(bound[r, :pools[r]], self.gram_bound(r, pool[r, :pools[r]]))
+        candidates = pool.gather(1, bound.topk(max(sizes), dim=-1).indices)               # (rows, max(sizes))
+        for r in live:
+            scores[r, candidates[r, :sizes[r]]] = self.exact(r, candidates[r, :sizes[r]])
+            work.gram, work.exact = work.gram + pools[r], work.exact + sizes[r]
+        scores.masked_fill_(self.excluded, inf)
+        cut = self.cuts(scores)                                                           # (rows, 1)
+        open_ = ~self.excluded & (scores == inf)                                          # not ruled out, not scored
+        in_pool = torch.stack([torch.arange(max(pools), device=pool.device) < n for n in pools])
+        to_score = torch.zeros_like(open_).scatter_(1, pool, (bound >= cut) & in_pool) & open_
+        to_bound = (spectral >= cut) & open_ & ~torch.zeros_like(open_).scatter_(1, pool, in_pool)
+        topk_rule = self.ws.conventions.ties == "topk"
+        reads = self.read(work, to_score.sum(-1), to_bound.sum(-1), *([self.ties(scores)] if topk_rule else []))
+        rows = [r for r in live if not (topk_rule and reads[2][r])]
+        for r in set(live) - set(rows):
+            self.score_every_entry(r, scores, work)
+
+        # Round 2.
+        reaching = {}
+        for r in rows:
+            if reads[0][r]:
+                self.score_some(r, self.marked(to_score[r], reads[0][r]), scores, work)
+            if reads[1][r]:
+                idx = self.marked(to_bound[r], reads[1][r])
+                reaching[r] = idx, self.gram_bound(r, idx) >= cut[r]
+                work.gram += reads[1][r]
+        if reaching:
+            more = self.read(work, *[reach.sum() for _, reach in reaching.values()])
+            # Round 3.
+            for (r, (idx, reach)), n in zip(reaching.items(), more):
+                if n:
+                    self.score_some(r, idx[self.marked(reach, n)], scores, work)
+        rescored = [r for r in rows if reads[0][r] or reads[1][r]]
+        work.widened += len(rescored)
+        if topk_rule and rescored:    # the later rounds may have moved the cut onto a tie
+            tied = self.read(work, self.ties(scores))[0]
+            for r in rescored:
+                if tied[r]:
+                    self.score_every_entry(r, scores, work)
         return scores
 
-    def candidates(self, g: int, k: int, bound: torch.Tensor, c: int, scores: torch.Tensor) -> torch.Tensor:
-        """Row ``g``'s exact scores of its ``c`` best bounds, written to ``scores``; whether they verify its cut
-        (a boolean on the device)."""
-        if c >= self.m:              # every entry scored: what the exhaustive path computes, nothing to verify
-            scores[g] = self.exact(g).masked_fill(self.excluded[g], float("-inf"))
-            return torch.ones((), dtype=torch.bool, device=bound.device)
-        best, order = bound.topk(c + 1)
-        exact = self.exact(g, order[:c]).masked_fill(best[:c] == float("-inf"), float("-inf"))
-        scores[g, order[:c]] = exact
-        top = exact.topk(min(k + 1, c)).values
-        verified = best[c] < top[k - 1]
-        if self.ws.conventions.ties == "topk" and c > k:
-            verified &= top[k] < top[k - 1]
-        return verified
+    def cuts(self, scores: torch.Tensor) -> torch.Tensor:
+        """(rows, 1) each row's k-th best score in ``scores``."""
+        best = scores.topk(min(max(self.counts), self.m), dim=-1).values
+        return torch.stack([best[r, max(k, 1) - 1] for r, k in enumerate(self.counts)])[:, None]
+
+    def ties(self, scores: torch.Tensor) -> torch.Tensor:
+        """(rows,) whether each row's k-th and (k+1)-th best scores in ``scores`` are equal (and finite)."""
+        best = scores.topk(min(max(self.counts) + 1, self.m), dim=-1).values
+        tied = [(best[r, k] == best[r, k - 1]) & (best[r, k] > float("-inf")) if 0 < k < best.shape[1]
+                else torch.zeros((), dtype=torch.bool, device=scores.device) for r, k in enumerate(self.counts)]
+        return torch.stack(tied)
+
+    @staticmethod
+    def read(work: Stage2Work, *values: torch.Tensor) -> list:
+        """The host's one wait for the device in a round: every count or flag at once."""
+        work.host_reads += 1
+        return torch.stack([x.long() for x in values]).tolist()
+
+    @staticmethod
+    def marked(mask: torch.Tensor, n: int) -> torch.Tensor:
+        """Positions of the ``n`` True entries of a 1-D ``mask`` (``n`` read before: no wait for the device)."""
+        return mask.float().topk(n).indices
+
+    def score_some(self, r: int, idx: torch.Tensor, scores: torch.Tensor, work: Stage2Work) -> None:
+        scores[r, idx] = self.exact(r, idx)
+        work.exact += len(idx)
+
+    def score_every_entry(self, r: int, scores: torch.Tensor, work: Stage2Work) -> None:
+        scores[r] = self.exact(r).masked_fill(self.excluded[r], float("-inf"))
+        work.exact += self.m
