@@ -117,8 +117,8 @@ class PerturbationSelection:
         return attention.mean(dim=-2) * norms.mean(dim=-2)
 
 
-# Stage 2's first round, per KV head with k entries to choose: its best POOL x k entries (at least k + 64) by the
-# d-multiply-add bound get the d^2 bound, and its best k + max(k / 8, 16) of those by that bound their exact norm.
+# Stage 2's first round, per KV head with k entries to choose: its best POOL x k entries (at least k + 256) by the
+# d-multiply-add bound get the d^2 bound, and its best k + max(k / 8, 32) of those by that bound their exact norm.
 # On the embedded model's layers (4,096 tokens, results/bench/README.md) the exact top k lay within 1.2-1.5 k
 # entries of the d^2 bound's order at the median and within 1.6-2.4 k of the d bound's (6-7 k for the released
 # code's flatter scores at budget 1,024); later rounds bound and score whatever the first could not rule out.
@@ -131,7 +131,7 @@ ROUNDING = 1e-3
 
 
 def first_candidates(k: int) -> int:
-    return k + max(k // 8, 16)
+    return k + max(k // 8, 32)
 
 
 def norms_per_product(k: int, most: int) -> int:
@@ -214,7 +214,7 @@ class Stage2:
         live = [r for r, k in enumerate(self.counts) if k > 0]
         if not live:
             return scores
-        pools = [min(self.m, max(POOL * k, k + 64)) for k in self.counts]
+        pools = [min(self.m, max(POOL * k, k + 256)) for k in self.counts]
         sizes = [min(pool, -(-first_candidates(k) // self.tile) * self.tile) for k, pool in zip(self.counts, pools)]
         work.heads, work.entries, work.layers = work.heads + len(live), work.entries + self.m * len(live), work.layers + 1
 
