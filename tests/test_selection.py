@@ -346,7 +346,8 @@ MOST_HOST_READS = 2 + Stage2.MOST_READS
 @pytest.mark.parametrize("profile", PROFILES)
 def test_one_layers_compression_waits_for_the_device_a_constant_number_of_times(profile):
     """The reads that would synchronise with a GPU, counted on the CPU for every method with perturbation selection:
-    the same count at 600 and 6,000 tokens, at most MOST_HOST_READS (tests/test_gpu.py counts CUDA's own syncs)."""
+    at most MOST_HOST_READS at 600 and at 6,000 tokens (how many of stage 2's rounds a layer needs depends on its
+    scores, not on its length; tests/test_gpu.py counts CUDA's own syncs)."""
     for method in every_method(profile, "pool_then_mean"):
         counts = []
         for n in (600, 6000):
@@ -354,4 +355,4 @@ def test_one_layers_compression_waits_for_the_device_a_constant_number_of_times(
             with HostReads() as reads:
                 method.keep(layer)
             counts.append(reads.count)
-        assert counts[0] == counts[1] <= MOST_HOST_READS, (profile, method, counts)
+        assert 1 <= min(counts) and max(counts) <= MOST_HOST_READS, (profile, method, counts)
