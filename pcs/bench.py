@@ -409,15 +409,13 @@ def selection_table(rows: list[dict]) -> str:
     lines = ["| context | method | budget | conventions | compression s: attention, perturbation | perturbation / "
              "attention | whole prefills | exact norms / entries | d^2 bounds / entries | heads with a second round |",
              "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|"]
-    attention = {(r["context"], r["method"], r["budget"], r.get("preset")): r for r in rows
-                 if r["selection"] == "attention"}
-    for ratio, r in pairs:
-        base = attention[(r["context"], r["method"], r["budget"], r.get("preset"))]
-        times = f"{base['compress_s']:.3f}, {r['compress_s']:.3f}" if "compress_s" in r else "-"
+    for o in pairs:
+        r = o.row
+        times = f"{o.base['compress_s']:.3f}, {r['compress_s']:.3f}" if "compress_s" in r else "-"
         share = lambda key: f"{100 * r[key]:.1f} %" if key in r else "-"
         lines.append(f"| {r['context']} | {r['method']} | {r['budget']} | "
-                     f"{'preset=' + r['preset'] if r.get('preset') else 'paper'} | {times} | {ratio:.3f} | "
-                     f"{r['wall_ratio']:.3f} | {share('stage2_exact_share')} | {share('stage2_gram_share')} | "
+                     f"{'preset=' + r['preset'] if r.get('preset') else 'paper'} | {times} | {o.ratio:.3f} | "
+                     f"{o.wall_ratio:.3f} | {share('stage2_exact_share')} | {share('stage2_gram_share')} | "
                      f"{share('stage2_widened_share')} |")
     return "\n".join(lines)
 
@@ -427,25 +425,34 @@ SELECTION_OVERHEAD = {8192: 1.10, 32768: 1.03}
 CPU_SELECTION_OVERHEAD = {4096: 1.03}
 
 
-def selection_overheads(rows: list[dict]) -> list[tuple[float, dict]]:
-    """Each perturbation row's prefill-plus-compression time over the attention row with the same context, method,
-    budget and preset (the same conventions): (ratio, row). Where the rows timed their compression
-    (``compress_s``), the ratio is ``(P_a - C_a + C_p) / P_a``: the forward is the same work under both selections,
-    so the difference of the compressions' medians measures the overhead without the forward's noise, which on a
-    busy CPU is larger than the overhead itself (``wall_ratio``, the ratio of the whole prefills, is kept beside)."""
+@dataclasses.dataclass(frozen=True)
+class Overhead:
+    """A perturbation row against the attention row with the same context, method, budget and preset."""
+    row: dict
+    base: dict
+
+    @property
+    def wall_ratio(self) -> float:
+        """The whole prefills' ratio."""
+        return self.row["prefill_s"] / self.base["prefill_s"]
+
+    @property
+    def ratio(self) -> float:
+        """Prefill plus compression over the attention row's. Where both rows timed their compression
+        (``compress_s``) it is ``(P_a - C_a + C_p) / P_a``: the forward is the same work under both selections, so
+        the difference of the compressions' medians measures the overhead without the forward's noise, which on a
+        busy CPU is larger than the overhead itself."""
+        if "compress_s" not in self.row or "compress_s" not in self.base:
+            return self.wall_ratio
+        return (self.base["prefill_s"] - self.base["compress_s"] + self.row["compress_s"]) / self.base["prefill_s"]
+
+
+def selection_overheads(rows: list[dict]) -> list[Overhead]:
+    """Each perturbation row paired with the attention row under the same conventions."""
     attention = {(r["context"], r["method"], r["budget"], r.get("preset")): r for r in rows
                  if r["selection"] == "attention"}
-    out = []
-    for r in rows:
-        key = (r["context"], r["method"], r["budget"], r.get("preset"))
-        if r["selection"] != "perturbation" or key not in attention:
-            continue
-        base = attention[key]
-        r["wall_ratio"] = r["prefill_s"] / base["prefill_s"]
-        timed = "compress_s" in r and "compress_s" in base
-        out.append(((base["prefill_s"] - base["compress_s"] + r["compress_s"]) / base["prefill_s"] if timed
-                    else r["wall_ratio"], r))
-    return out
+    return [Overhead(r, attention[key]) for r in rows if r["selection"] == "perturbation"
+            and (key := (r["context"], r["method"], r["budget"], r.get("preset"))) in attention]
 
 
 def targets(rows: list[dict]) -> list[str]:
@@ -455,15 +462,16 @@ def targets(rows: list[dict]) -> list[str]:
     calls per layer and decoded token."""
     out = []
     overheads = selection_overheads(rows)
-    for context in sorted({r["context"] for _, r in overheads}):
-        here = [(ratio, r) for ratio, r in overheads if r["context"] == context]
-        worst, r = max(here, key=lambda o: o[0])
+    for context in sorted({o.row["context"] for o in overheads}):
+        here = [o for o in overheads if o.row["context"] == context]
+        worst = max(here, key=lambda o: o.ratio)
+        r = worst.row
         limit = (CPU_SELECTION_OVERHEAD if r["device"] == "cpu" else SELECTION_OVERHEAD).get(context)
-        walls = [h["wall_ratio"] for _, h in here]
-        out.append(f"perturbation over attention selection, prefill + compression at {context}: {min(h[0] for h in here):.3f}x "
-                   f"to {worst:.3f}x over {len(here)} pairs (most: {r['method']} {selection_label(r)} b{r['budget']}; "
-                   f"whole prefills' ratios {min(walls):.3f}x to {max(walls):.3f}x)"
-                   + (f" [target <= {limit:.2f}x: {'met' if worst <= limit else 'missed'}]" if limit else ""))
+        walls = [o.wall_ratio for o in here]
+        out.append(f"perturbation over attention selection, prefill + compression at {context}: "
+                   f"{min(o.ratio for o in here):.3f}x to {worst.ratio:.3f}x over {len(here)} pairs (most: {r['method']} "
+                   f"{selection_label(r)} b{r['budget']}; whole prefills' ratios {min(walls):.3f}x to {max(walls):.3f}x)"
+                   + (f" [target <= {limit:.2f}x: {'met' if worst.ratio <= limit else 'missed'}]" if limit else ""))
     for r in rows:
         if r["budget"] == 128 and r["context"] in (32768, 131072):
             share = r["decode_speedup"] / r["decode_bound"]
