@@ -228,13 +228,16 @@ def summarize(samples: list[dict]) -> dict:
 @dataclasses.dataclass(frozen=True)
 class Configuration:
     method: str
-    selection: str                 # "none" for a method that takes no selection
+    selection: str                 # the selection's name in result rows; "none" for a method that takes none
     budget: int | None             # None: the full cache
     preset: str | None = None      # a preset= the cell runs under (its selection knobs and conventions)
+    presets_selection: bool = False  # the preset's own selection, knobs included: no selection= override, which
+                                     # would replace the preset's knobs with that option's defaults
 
     def overrides(self) -> dict:
+        chosen = self.selection != "none" and not self.presets_selection
         return ({"preset": self.preset} if self.preset else {}) | {"method": self.method, "budget": self.budget or 128} \
-            | ({"selection": self.selection} if self.selection != "none" else {})
+            | ({"selection": self.selection} if chosen else {})
 
 
 def configurations(args) -> list[Configuration]:
@@ -248,7 +251,8 @@ def configurations(args) -> list[Configuration]:
         for method in (m for m in args.methods if uses("method", m, "selection")):
             for budget in args.budgets:
                 own = composed(**Configuration(method, "none", budget, preset).overrides()).selection.name
-                out += [Configuration(method, "attention", budget, preset), Configuration(method, own, budget, preset)]
+                out += [Configuration(method, "attention", budget, preset),
+                        Configuration(method, own, budget, preset, presets_selection=True)]
     return out
 
 

@@ -66,6 +66,18 @@ def test_bench_decodes_pools_and_projects_a_sweep(tiny_model_dir, capsys, tmp_pa
     assert "in pools of 3" in out
 
 
+def test_a_presets_own_selection_keeps_the_presets_knobs():
+    """The preset's perturbation row runs the preset's selection knobs (criticalkv: kvpress's CriticalKVPress), not
+    the paper's defaults that ``selection=perturbation`` would put in their place."""
+    from pcs.bench import build_configurations, parse
+    built = build_configurations(parse(["--methods", "snapkv", "--selections", "perturbation", "--budgets", "128",
+                                        "--presets", "criticalkv"]))
+    knobs = {(c.selection, c.preset): (m.selection.alpha, m.selection.stage2_source, m.selection.epsilon,
+                                      m.selection.gqa) for c, m in built if c.selection == "perturbation"}
+    assert knobs[("perturbation", None)] == (0.25, "unpooled", 0.0, "mean_of_products")
+    assert knobs[("perturbation", "criticalkv")] == (0.5, "pooled", 1e-4, "product_of_means")
+
+
 def test_bench_pairs_each_perturbation_row_with_attention_under_the_same_preset(tiny_model_dir, capsys, tmp_path):
     """``--presets criticalkv`` adds each method with attention selection and the preset's own under its conventions;
     perturbation rows report stage 2's work, and the report's overhead line divides each by its own baseline."""
