@@ -28,6 +28,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from .hybrid import attention_windows
+
 ATTN_IMPLEMENTATION = "pcs"
 ROOM = 256   # entries reserved ahead per head when a layer moves into its buffer (it grows by half when full)
 # Decoding attends over a key length that grows by one every step. cuDNN's attention builds an execution
@@ -42,7 +44,7 @@ class HeldKeys(NamedTuple):
     1 or group, L) for a decode pool's one-token step, and who wants the step's queries (None: nobody)."""
     keys: torch.Tensor
     mask: torch.Tensor | None
-    record: Callable[[torch.Tensor], None] | None = None
+    record: Callable[[torch.Tensor, float | None], None] | None = None
 
 
 class CompressibleLayer(CacheLayerMixin):
@@ -263,12 +265,119 @@ class CompressibleLayer(CacheLayerMixin):
         return -1
 
 
-class CompressedCache(Cache):
-    """A cache of ``CompressibleLayer``s, one per decoder layer; ``room``: entries reserved ahead per head
-    (e.g. the tokens a generation may still add), so decoding appends without reallocating."""
+class SlidingWindowLayer(CompressibleLayer):
+    """A layer whose queries see only the ``window`` newest positions (themselves included): dense during the
+    prefill (transformers' sliding mask applies), then a ring of ``window`` slots where position p lives in slot
+    p % window. A one-token step overwrites the one entry no query needs any more, so attention reads the whole
+    ring (its filled slots) with no mask; between steps the layer holds the window - 1 newest entries, as
+    transformers' own sliding cache does. Eviction methods never choose here (``settle`` keeps the window)."""
+    is_sliding = True
 
-    def __init__(self, n_layers: int, room: int = ROOM):
-        super().__init__(layers=[CompressibleLayer(room) for _ in range(n_layers)])
+    def __init__(self, window: int):
+        super().__init__(room=0)
+        self.window = window
+
+    def settle(self) -> None:
+        """Move the newest ``window - 1`` entries of the dense prefill into the ring."""
+        keys, values = self.dense()
+        n = self.n_positions
+        kept = min(n, self.window - 1)
+        self.key_buffer = keys.new_zeros(keys.shape[0], self.window, keys.shape[-1])
+        self.value_buffer = values.new_zeros(self.key_buffer.shape)
+        self.write(keys[:, n - kept:], values[:, n - kept:], n - kept)
+        self.lengths = [kept] * keys.shape[0]
+        self.keys = self.values = None
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> None:
+        """(H_kv, q, d) entries of positions ``first ..`` into their slots (of which the last ``window`` survive)."""
+        slots = torch.arange(first, first + keys.shape[1], device=keys.device) % self.window
+        self.key_buffer[:, slots] = keys
+        self.value_buffer[:, slots] = values
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != 1:
+            raise ValueError("the compressed cache supports batch size 1")
+        if not self.is_buffered and self.keys is None:      # the prefill: dense, under the model's sliding mask
+            self.n_positions += key_states.shape[-2]
+            self.keys, self.values = key_states, value_states
+            return self.keys, self.values
+        if not self.is_buffered:
+            self.settle()
+        first = self.n_positions
+        self.n_positions += key_states.shape[-2]
+        return self.append_at(key_states[0], value_states[0], first)
+
+    def append_at(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> tuple[HeldKeys, torch.Tensor]:
+        """New entries of positions ``first ..``; what attention reads. One token: the ring after the write. More:
+        the held entries in order and the new ones, each new token seeing the ``window`` positions up to itself."""
+        q, held = keys.shape[1], min(first, self.window - 1)
+        if q == 1:
+            self.write(keys, values, first)
+            self.lengths = [min(first + 1, self.window - 1)] * len(self.lengths)
+            filled = min(first + 1, self.window)
+            return HeldKeys(self.key_buffer[None, :, :filled], None), self.value_buffer[None, :, :filled]
+        order = torch.arange(first - held, first, device=keys.device) % self.window
+        all_keys = torch.cat([self.key_buffer[:, order], keys], dim=1)
+        all_values = torch.cat([self.value_buffer[:, order], values], dim=1)
+        positions = torch.arange(first - held, first + q, device=keys.device)
+        queries = positions[held:, None]
+        mask = (positions[None, :] <= queries) & (positions[None, :] > queries - self.window)     # (q, held + q)
+        self.write(keys, values, first)
+        self.lengths = [min(first + q, self.window - 1)] * len(self.lengths)
+        return HeldKeys(all_keys[None], mask[None, None].expand(all_keys.shape[0], 1, q, -1)), all_values[None]
+
+    def compress(self, kept: list[torch.Tensor]) -> None:
+        raise RuntimeError("a sliding-window layer keeps its window; eviction methods choose in full-attention layers")
+
+    def held(self) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor]:
+        """The ring (position p in slot p % window) and its filled slots: what a decode pool's slot takes over."""
+        if not self.is_buffered:
+            self.settle()
+        filled = min(self.n_positions, self.window)
+        seen = torch.zeros(len(self.lengths), 1, self.window, dtype=torch.bool, device=self.key_buffer.device)
+        seen[..., :filled] = True
+        return self.key_buffer, self.value_buffer, [filled] * len(self.lengths), seen
+
+    def entries_per_head(self) -> list[int]:
+        if self.is_buffered:
+            return list(self.lengths)
+        return [min(self.keys.shape[-2], self.window - 1)] * self.keys.shape[1] if self.keys is not None else []
+
+    def nbytes(self) -> int:
+        """Bytes of the entries a query may still read: the window - 1 newest (all of them during the prefill)."""
+        if not self.is_buffered:
+            return super().nbytes()
+        row = self.key_buffer.shape[-1] * self.key_buffer.element_size()
+        return 2 * row * sum(self.lengths)
+
+    def heads(self):
+        raise RuntimeError("a sliding-window layer's ring is not in position order; read it with held()")
+
+    def left_padded(self):
+        raise RuntimeError("a sliding-window layer is never recompressed")
+
+
+def cache_layer(window: int | None, room: int) -> CompressibleLayer:
+    """The cache layer for a decoder layer of sliding window ``window`` (None: full attention)."""
+    return CompressibleLayer(room) if window is None else SlidingWindowLayer(window)
+
+
+class CompressedCache(Cache):
+    """A cache of ``CompressibleLayer``s, one per decoder layer (``SlidingWindowLayer`` where the model attends
+    through a window: ``windows``, per layer None or W); ``room``: entries reserved ahead per head (e.g. the tokens
+    a generation may still add), so decoding appends without reallocating."""
+
+    def __init__(self, n_layers: int, room: int = ROOM, windows: list[int | None] | None = None):
+        self.windows = list(windows or [None] * n_layers)
+        super().__init__(layers=[cache_layer(w, room) for w in self.windows])
+
+    @classmethod
+    def of(cls, config, room: int = ROOM) -> CompressedCache:
+        """The cache for a model's config: its layers' kinds from ``pcs.hybrid.attention_windows``."""
+        windows = attention_windows(config)
+        return cls(len(windows), room, windows)
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
@@ -278,6 +387,11 @@ class CompressedCache(Cache):
 
     def entries_per_head(self) -> list[list[int]]:
         return [layer.entries_per_head() for layer in self.layers]
+
+    def most_entries(self) -> int:
+        """Most entries any KV head of a full-attention layer holds (what a decoding-time trigger bounds)."""
+        return max([max(layer.entries_per_head(), default=0) for layer in self.layers if not layer.is_sliding],
+                   default=0)
 
 
 def held_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -303,7 +417,7 @@ def held_attention(module, query, key, value, attention_mask, scaling=None, drop
     with sdpa_kernel(DECODE_BACKENDS) if rows.is_cuda else nullcontext():
         out = F.scaled_dot_product_attention(rows, keys, value, attn_mask=mask, scale=scaling)
     if record is not None:
-        record(query)
+        record(query, scaling)
     # reshape, not view: CUDA's kernels may return rows in another memory layout than (H_kv, rows, d).
     return out.reshape(batch, n_q_heads, q_len, d).transpose(1, 2).contiguous(), None
 

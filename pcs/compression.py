@@ -9,6 +9,7 @@ every layer (``compress_each_after_prefill``).
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ import torch
 
 from .cache import CompressedCache
 from .eviction.base import LayerState, Method
+from .hybrid import full_attention_layers
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -25,13 +27,27 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def window_queries(attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings,
                    window: int) -> torch.Tensor:
-    """Rotary-embedded queries of the last ``window`` tokens, (H_q, w, d), recomputed from the layer input."""
+    """Rotary-embedded queries of the last ``window`` tokens, (H_q, w, d), recomputed from the layer input as
+    the attention module computes them (its query norm, where it has one: Gemma 3, Qwen3). Scaled so that
+    ``q k / sqrt(d)``, which the methods' window attention computes, is the model's own logit where its scale
+    is not ``1 / sqrt(d)`` (Gemma's ``query_pre_attn_scalar``)."""
     d = attn.head_dim
     h = hidden_states[:, -window:]
     q = attn.q_proj(h).view(1, h.shape[1], -1, d).transpose(1, 2)       # (1, H_q, w, d)
+    if getattr(attn, "q_norm", None) is not None:
+        q = attn.q_norm(q)
     cos, sin = position_embeddings
     cos, sin = cos[:, -window:].unsqueeze(1), sin[:, -window:].unsqueeze(1)
-    return (q * cos + rotate_half(q) * sin)[0]
+    return at_unit_scale((q * cos + rotate_half(q) * sin)[0], getattr(attn, "scaling", None))
+
+
+def at_unit_scale(queries: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """(..., d) queries of a model whose logits are ``q k * scaling``, scaled so that ``q k / sqrt(d)`` (what the
+    methods' window attention computes) is that logit."""
+    d = queries.shape[-1]
+    if scaling is None or math.isclose(scaling * math.sqrt(d), 1.0):
+        return queries
+    return queries * (scaling * math.sqrt(d))
 
 
 def attention_modules(model) -> list[torch.nn.Module]:
@@ -49,24 +65,35 @@ def hooked(modules, hook, with_kwargs: bool = True):
             handle.remove()
 
 
+def compressed_layers(cache: CompressedCache) -> tuple[int, ...]:
+    """The layers methods choose in: every layer but a hybrid model's sliding-window ones."""
+    return tuple(full_attention_layers(cache.windows))
+
+
 @contextmanager
-def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer):
-    """While active, ``on_layer(queries, state, cache_layer)`` runs right after each attention module's
+def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer, on_sliding=None):
+    """While active, ``on_layer(queries, state, cache_layer)`` runs right after each full-attention module's
     multi-token forward, with the layer's full keys and values (``state``, whose ``window_queries`` are the
     longest window's) and ``queries[w]``, its last ``w`` queries for each ``w`` of ``windows``. Each window's
-    queries are computed on their own, as a lone prefill with that window would."""
+    queries are computed on their own, as a lone prefill with that window would. After a sliding-window
+    layer's forward, ``on_sliding(layer_idx, cache_layer)`` runs instead (None: the layer stays as it is)."""
     modules = attention_modules(model)
+    compressed = compressed_layers(cache)
 
     def hook(module, args, kwargs, output):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         if hidden.shape[1] <= 1:
             return
         layer = cache.layers[module.layer_idx]
+        if layer.is_sliding:
+            if on_sliding is not None:
+                on_sliding(module.layer_idx, layer)
+            return
         keys, values = layer.dense()
         queries = {w: window_queries(module, hidden, kwargs["position_embeddings"], w) if w else keys.new_empty(0)
                    for w in windows}
         state = LayerState(module.layer_idx, len(modules), keys, values, queries[max(windows, default=0)],
-                           module.o_proj.weight)
+                           module.o_proj.weight, compressed=compressed)
         on_layer(queries, state, layer)
 
     with hooked(modules, hook):
@@ -133,7 +160,7 @@ def compress_each_after_prefill(model, methods: list[Method], caches: list[Compr
             earlier = sum(done.nbytes() for done in cell.cache.layers[:state.layer_idx])
             cell.stats.peak_kv_bytes = max(cell.stats.peak_kv_bytes, earlier + full_bytes)
             mine = LayerState(state.layer_idx, n_layers, state.keys, state.values, queries[cell.method.window],
-                              state.o_proj_weight)
+                              state.o_proj_weight, compressed=state.compressed)
             if own is not layer:
                 own.take(layer)
             own.recent_queries = mine.window_queries    # the window, should decoding recompress later
@@ -142,7 +169,18 @@ def compress_each_after_prefill(model, methods: list[Method], caches: list[Compr
                 if kept is not None:
                     own.compress(kept)
 
-    with after_prefill(model, prefill, sorted({m.window for m in methods}), compress):
+    def keep_window(layer_idx: int, layer) -> None:
+        """A sliding-window layer: every cell keeps the model's window, whatever its method."""
+        full_bytes = layer.nbytes()
+        for cell in reversed(cells):      # the cache the forward writes to last, as above
+            own = cell.cache.layers[layer_idx]
+            earlier = sum(done.nbytes() for done in cell.cache.layers[:layer_idx])
+            cell.stats.peak_kv_bytes = max(cell.stats.peak_kv_bytes, earlier + full_bytes)
+            if own is not layer:
+                own.take(layer)
+            own.settle()
+
+    with after_prefill(model, prefill, sorted({m.window for m in methods}), compress, keep_window):
         yield cells
     for cell, choice in zip(cells, choices):
         if cell.method.model_wide:
@@ -171,11 +209,12 @@ class CompressionStats:
         return len(self.compressed_at)
 
 
-def recompress(layer, method: Method, layer_idx: int, n_layers: int, o_proj_weight: torch.Tensor) -> bool:
-    """Compress a layer again with ``method``, its newest queries as the observation window.
-    Returns whether anything was evicted."""
+def recompress(layer, method: Method, layer_idx: int, n_layers: int, o_proj_weight: torch.Tensor,
+               compressed: tuple[int, ...] | None = None) -> bool:
+    """Compress a layer again with ``method``, its newest queries as the observation window (``compressed``: the
+    layers methods choose in, for ``LayerState.depth``). Returns whether anything was evicted."""
     keys, values, pad = layer.left_padded()
-    state = LayerState(layer_idx, n_layers, keys, values, layer.recent_queries, o_proj_weight, pad)
+    state = LayerState(layer_idx, n_layers, keys, values, layer.recent_queries, o_proj_weight, pad, compressed)
     kept = method.keep(state)
     if kept is None:
         return False
@@ -192,9 +231,12 @@ def recompress_when_full(model, method: Method, cache: CompressedCache, trigger:
     together, padded at the front so that their newest entries line up. ``trigger=None`` only counts."""
     modules = attention_modules(model)
     window = method.window if trigger is not None else 0
+    compressed = compressed_layers(cache)
 
     def hook(module, args, kwargs, output):
         layer = cache.layers[module.layer_idx]
+        if layer.is_sliding:        # it keeps its window, never more: nothing to count or recompress
+            return
         if window:
             hidden = kwargs["hidden_states"]
             new = window_queries(module, hidden, kwargs["position_embeddings"], min(window, hidden.shape[1]))
@@ -203,7 +245,7 @@ def recompress_when_full(model, method: Method, cache: CompressedCache, trigger:
         held = max(layer.entries_per_head())
         stats.max_kv_entries = max(stats.max_kv_entries, held)
         if trigger is not None and held > trigger and recompress(layer, method, module.layer_idx, len(modules),
-                                                                 module.o_proj.weight):
+                                                                 module.o_proj.weight, compressed):
             stats.compressed_at.add(layer.n_positions)
 
     with hooked(modules, hook):

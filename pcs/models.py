@@ -6,6 +6,8 @@ save the float32 result once under ``model.cache_dir`` so later loads take about
 """
 from __future__ import annotations
 
+import hashlib
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -17,15 +19,16 @@ from .cache import ATTN_IMPLEMENTATION, register_attention
 from .paths import default_cache_dir, package_dir
 
 
-def converted_gguf(package: str, filename: str, cache_dir: str | None) -> Path:
-    """Path of the float32 transformers copy of a packaged GGUF, converting it on first use."""
-    target = Path(cache_dir or default_cache_dir()) / Path(filename).stem
+def converted_gguf(gguf, cache_dir: str | None) -> Path:
+    """Path of the float32 transformers copy of a packaged GGUF (``model.gguf``: ``package`` and ``file``, or the
+    ``parts`` it ships in and their joined ``sha256``), converting it on first use."""
+    target = Path(cache_dir or default_cache_dir()) / Path(gguf.file).stem
     if (target / "config.json").exists():
         return target
-    source = package_dir(package)
-    print(f"[pcs] converting {filename} to float32 once, into {target}")
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=filename)
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=filename, dtype=torch.float32)
+    source = joined_gguf(gguf, target.parent) if gguf.get("parts") else package_dir(gguf.package) / gguf.file
+    print(f"[pcs] converting {gguf.file} to float32 once, into {target}")
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     # The dequantized weights are plain float32; the GGUF marker would make save_pretrained refuse.
     del model.config.quantization_config
     model.hf_quantizer = None
@@ -37,6 +40,31 @@ def converted_gguf(package: str, filename: str, cache_dir: str | None) -> Path:
         tmp.rename(target)          # atomic: a concurrent loader sees all or nothing
     except OSError:                 # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
+    if gguf.get("parts"):
+        source.unlink(missing_ok=True)      # the float32 copy is what loads from now on
+    return target
+
+
+def joined_gguf(gguf, folder: Path) -> Path:
+    """A GGUF shipped in chunk packages (PyPI's size limit), joined in order into ``folder`` and checked against
+    its sha256 before anything reads it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / gguf.file
+    digest = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{gguf.file}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for part in gguf.parts:
+                with open(package_dir(part.package) / part.file, "rb") as chunk:
+                    while block := chunk.read(1 << 24):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != gguf.sha256:
+            raise RuntimeError(f"{gguf.file} joined from {len(gguf.parts)} packages has sha256 {digest.hexdigest()}, "
+                               f"not {gguf.sha256}: reinstall them with `make setup`")
+        os.replace(tmp, target)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
     return target
 
 
@@ -44,7 +72,7 @@ def weights_location(model_cfg) -> str:
     if model_cfg.get("path"):
         return str(model_cfg.path)
     if model_cfg.get("gguf"):
-        return str(converted_gguf(model_cfg.gguf.package, model_cfg.gguf.file, model_cfg.get("cache_dir")))
+        return str(converted_gguf(model_cfg.gguf, model_cfg.get("cache_dir")))
     return model_cfg.hf_id
 
 

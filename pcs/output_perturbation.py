@@ -60,7 +60,7 @@ def run_prefill(model, input_ids: torch.Tensor, methods: dict, two_stage: Method
             stage1[state.layer_idx] = [torch.cat([f, window_positions(state.n_tokens, two_stage.window, f.device)])
                                        for f in first]
 
-    cache = CompressedCache(n_layers)
+    cache = CompressedCache.of(model.config)
     device = next(model.parameters()).device
     with after_prefill(model, cache, [window], on_layer):
         logits = model(input_ids=input_ids.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
@@ -72,7 +72,7 @@ def run_prefill(model, input_ids: torch.Tensor, methods: dict, two_stage: Method
 
 def compressed_copy(prefill: Prefill, kept: list[Kept]) -> CompressedCache:
     """A cache holding, per layer and KV head, only the kept entries of the full prefill cache."""
-    cache = CompressedCache(len(prefill.keys))
+    cache = CompressedCache(len(prefill.keys), windows=prefill.cache.windows)
     for layer, keys, values, idx in zip(cache.layers, prefill.keys, prefill.values, kept):
         layer.update(keys[None], values[None])
         if idx is not None:
@@ -104,7 +104,8 @@ def head_perturbation(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
                       scaling: float, kept: list[torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query head: ``||(o_full - o_kept) W^O_h||_1`` and the full attention (H_q, N).
 
-    ``query`` (H_q, d) of the new token; ``keys``/``values`` (H_kv, N, d) end with the new token, which
+    ``query`` (H_q, d) of the new token, from ``window_queries``, which scales it for ``scaling = 1 / sqrt(d)``
+    whatever the model's own scale; ``keys``/``values`` (H_kv, N, d) end with the new token, which
     every cache holds. ``kept`` lists the kept prompt positions per KV head, or per query head (None: all)."""
     n_q, d = query.shape
     n_kv, n_all = keys.shape[0], keys.shape[1]
@@ -161,15 +162,21 @@ def measure(model, prefill: Prefill, headwise_keys: list, layerwise_keys: list) 
 
     def on_attention(module, hidden_states, position_embeddings):
         l = module.layer_idx
-        keys, values = prefill.cache.layers[l].dense()
         query = window_queries(module, hidden_states, position_embeddings, 1)[:, 0]
+        if prefill.cache.layers[l].is_sliding:      # every cache keeps the model's window here: no perturbation
+            for key in headwise_keys:
+                headwise[key].append(torch.zeros(query.shape[0]))
+            mass.append(torch.full((query.shape[0],), float("nan")))
+            mass_prefix.append(torch.full((query.shape[0],), float("nan")))
+            return
+        keys, values = prefill.cache.layers[l].dense()
         attention = None
         for key in headwise_keys:
-            perturbation, attention = head_perturbation(query, keys, values, module.o_proj.weight, module.scaling,
+            perturbation, attention = head_perturbation(query, keys, values, module.o_proj.weight, module.head_dim ** -0.5,
                                                         prefill.kept[key][l])
             headwise[key].append(perturbation.cpu())
         if attention is None:
-            attention = head_perturbation(query, keys, values, module.o_proj.weight, module.scaling, None)[1]
+            attention = head_perturbation(query, keys, values, module.o_proj.weight, module.head_dim ** -0.5, None)[1]
         mass.append(attention_mass(attention, prefill.stage1[l]))
         mass_prefix.append(attention_mass(attention, prefill.stage1_prefix[l]))
 

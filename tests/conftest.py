@@ -7,7 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")   # tests never reach the hub (read
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
 from pcs.config import CONF_DIR, compose
 from pcs.models import prepare
@@ -19,7 +19,12 @@ ARCHITECTURES = {
     "llama": lambda: LlamaConfig(**TINY),
     "mistral": lambda: MistralConfig(**TINY, sliding_window=None),
     "qwen2": lambda: Qwen2Config(**TINY),
+    # Hybrid attention: two layers through a 16-position sliding window, two full; a query norm and an attention
+    # scale (query_pre_attn_scalar) other than 1/sqrt(head_dim), as Gemma 3 has.
+    "gemma3": lambda: Gemma3TextConfig(**TINY, head_dim=8, query_pre_attn_scalar=16, sliding_window=16,
+                                       layer_types=["sliding_attention", "full_attention"] * 2),
 }
+SLIDING_WINDOW = 16
 
 
 def compose_cfg(*overrides: str):
@@ -41,7 +46,7 @@ def embedded_dir():
     """The embedded SmolLM2, converted once (about 20 s the first time, then cached)."""
     from pcs.models import converted_gguf
     cfg = compose_cfg()
-    return converted_gguf(cfg.model.gguf.package, cfg.model.gguf.file, None)
+    return converted_gguf(cfg.model.gguf, None)
 
 
 @pytest.fixture(scope="session")

@@ -59,7 +59,7 @@ def test_the_compressed_cache_holds_the_smallest_norm_keys(tiny_model_dir, tmp_p
     with torch.no_grad():
         reference = DynamicCache(config=model.config)
         model(input_ids=ids, past_key_values=reference)
-        cache = CompressedCache(model.config.num_hidden_layers)
+        cache = CompressedCache.of(model.config)
         with compress_after_prefill(model, method, cache):
             model(input_ids=ids, past_key_values=cache)
     for full, compressed in zip(reference.layers, cache.layers):

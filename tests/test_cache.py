@@ -10,6 +10,7 @@ from pcs.eviction import build_method
 from pcs.eviction.base import Method
 from pcs.engine.prefill import full_kv_bytes
 from pcs.generate import greedy_generate
+from pcs.hybrid import attention_windows, full_attention_layers
 
 from conftest import compose_cfg, tiny_model
 
@@ -44,6 +45,9 @@ def masked_reference_logits(model, input_ids, kept, n_steps, tokens, question=No
     def masked_eager(module, query, key, value, attention_mask, scaling=None, **kwargs):
         q_len, kv_len = query.shape[2], key.shape[2]
         causal = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
+        window = kwargs.get("sliding_window")        # what the model passes its attention: a sliding layer's window
+        if window:
+            causal &= torch.arange(kv_len)[None, :] > torch.arange(kv_len - q_len, kv_len)[:, None] - window
         allowed = causal[None].repeat(query.shape[1], 1, 1)
         heads = kept.get(module.layer_idx)
         if kv_len > q_len and heads is not None:
@@ -60,7 +64,7 @@ def masked_reference_logits(model, input_ids, kept, n_steps, tokens, question=No
     AttentionInterface.register("masked_ref", masked_eager)
     model.set_attn_implementation("masked_ref")
     try:
-        cache = DynamicCache(config=cfg)
+        cache = DynamicCache()        # every entry of every layer: the sliding windows are masked above
         out = [model(input_ids=input_ids, past_key_values=cache).logits[0, -1:]]
         if question is not None:
             out.append(model(input_ids=question, past_key_values=cache).logits[0])
@@ -71,8 +75,17 @@ def masked_reference_logits(model, input_ids, kept, n_steps, tokens, question=No
         model.set_attn_implementation("pcs")
 
 
+def assert_windows_held(model, cache, spy):
+    """The method chose in the full-attention layers only; each sliding layer holds its window's newest W - 1."""
+    windows = attention_windows(model.config)
+    assert sorted(spy.kept) == full_attention_layers(windows)
+    for layer, window in zip(cache.layers, windows):
+        if window is not None:
+            assert layer.entries_per_head() == [window - 1] * model.config.num_key_value_heads
+
+
 def compressed_logits(model, input_ids, method, tokens, question=None, room=256):
-    cache = CompressedCache(model.config.num_hidden_layers, room)
+    cache = CompressedCache.of(model.config, room)
     n = input_ids.shape[1]
     with compress_after_prefill(model, method, cache):
         out = [model(input_ids=input_ids, past_key_values=cache).logits[0, -1:]]
@@ -117,11 +130,11 @@ def test_decoding_on_compressed_cache_equals_masked_full_attention(arch, name, s
     with torch.no_grad():
         got, cache = compressed_logits(model, input_ids, spy, tokens)
         want = masked_reference_logits(model, input_ids, spy.kept, len(tokens), tokens)
-    assert all(spy.kept[l] is not None for l in range(model.config.num_hidden_layers))
+    assert all(k is not None for k in spy.kept.values())
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    # Held entries per head: what was kept plus the decoded tokens.
-    for l, layer in enumerate(cache.layers):
-        assert layer.entries_per_head() == [len(k) + len(tokens) for k in spy.kept[l]]
+    assert_windows_held(model, cache, spy)
+    for l, kept in spy.kept.items():      # what was kept plus the decoded tokens
+        assert cache.layers[l].entries_per_head() == [len(k) + len(tokens) for k in kept]
 
 
 @pytest.mark.parametrize("name,profile", [("adakv", ["profile=adakv"]), ("snapkv", ["profile.gqa=per_query_head"])])
@@ -141,8 +154,9 @@ def test_decoding_where_query_heads_chose_apart_equals_masked_full_attention(arc
     cfg_m = model.config
     group = cfg_m.num_attention_heads // cfg_m.num_key_value_heads
     d = cfg_m.hidden_size // cfg_m.num_attention_heads
-    for l, layer in enumerate(cache.layers):
-        kept = spy.kept[l]
+    assert_windows_held(model, cache, spy)
+    for l, kept in spy.kept.items():
+        layer = cache.layers[l]
         assert len(kept) == cfg_m.num_attention_heads                      # one choice per query head
         unions = [set().union(*(set(k.tolist()) for k in kept[g * group:(g + 1) * group]))
                   for g in range(cfg_m.num_key_value_heads)]
@@ -166,8 +180,9 @@ def test_question_fed_after_compression_sees_only_kept_entries(arch, name):
         want = masked_reference_logits(model, input_ids, spy.kept, len(tokens), tokens, question)
     assert got.shape[0] == 1 + 7 + 3
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    for l, layer in enumerate(cache.layers):
-        assert layer.entries_per_head() == [len(k) + 7 + len(tokens) for k in spy.kept[l]]
+    assert_windows_held(model, cache, spy)
+    for l, kept in spy.kept.items():
+        assert cache.layers[l].entries_per_head() == [len(k) + 7 + len(tokens) for k in kept]
 
 
 def test_stops_cannot_end_generation_before_min_new_tokens():
@@ -203,7 +218,7 @@ def test_kv_bytes_are_the_tensors_held_and_memory_is_freed(name):
 def test_compressed_heads_own_their_memory():
     """Kept entries are copied out: no buffer is a view into the freed full cache."""
     model = tiny_model("llama")
-    cache = CompressedCache(model.config.num_hidden_layers)
+    cache = CompressedCache.of(model.config)
     with torch.no_grad(), compress_after_prefill(model, method_for("adakv", "perturbation", 40, window=8), cache):
         model(input_ids=torch.randint(0, 256, (1, 200)), past_key_values=cache)
     for layer in cache.layers:

@@ -30,7 +30,7 @@ def method(cell, budget=40):
 def logits(model, device, chosen, ids, tokens, question):
     """The prefill's last logits, the question's, then one per decoded token, on ``device``."""
     model = model.to(device)
-    cache = CompressedCache(model.config.num_hidden_layers)
+    cache = CompressedCache.of(model.config)
     n = ids.shape[1]
     with torch.no_grad():
         with compress_after_prefill(model, chosen, cache):

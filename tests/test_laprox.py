@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+from pcs.hybrid import attention_windows, full_attention_layers
+
 from pcs.eviction.base import LayerState
 from pcs.eviction.laprox import LaProx
 from pcs.eviction.laprox import value_output_norms
@@ -131,8 +133,13 @@ def test_decoding_on_the_laprox_cache_equals_masked_full_attention(arch):
         got, cache = compressed_logits(model, input_ids, method, tokens)
         want = masked_reference_logits(model, input_ids, method.kept, len(tokens), tokens)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    for l, layer in enumerate(cache.layers):
-        assert layer.entries_per_head() == [len(k) + len(tokens) for k in method.kept[l]]
+    windows = attention_windows(model.config)
+    # The model-wide choice spans the full-attention layers only: their budget, all of it.
+    assert sorted(method.kept) == full_attention_layers(windows)
+    assert sum(len(k) for kept in method.kept.values() for k in kept) == \
+        len(method.kept) * model.config.num_key_value_heads * 40
+    for l, kept in method.kept.items():
+        assert cache.layers[l].entries_per_head() == [len(k) + len(tokens) for k in kept]
 
 
 @pytest.mark.parametrize("scope", ["model", "layer"])

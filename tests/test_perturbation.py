@@ -56,9 +56,12 @@ def test_headwise_perturbation_is_the_projected_attention_difference(arch, name,
     for key in methods:
         for l, (A, V) in enumerate(zip(attentions, values)):
             W = model.model.layers[l].self_attn.o_proj.weight
+            heads = prefill.kept[key][l]
+            if heads is None:      # a hybrid's sliding-window layer: every cache keeps the window, nothing moves
+                assert model.config.layer_types[l] == "sliding_attention" and not got.headwise[key][l].any()
+                continue
             for h in range(cfg.num_attention_heads):
                 keep = torch.zeros(n + 1, dtype=torch.bool)
-                heads = prefill.kept[key][l]
                 keep[heads[h if len(heads) == cfg.num_attention_heads else h // group]] = True
                 keep[n] = True
                 A_kept = torch.where(keep, A[h], 0.0)

@@ -47,7 +47,7 @@ def batch1(model, ids, methods, max_new, stops, question=None, min_new=0, trigge
     """The pre-pool engine's decoding of one prompt for each method, one sequence at a time on its own cache
     (the prefill shared, as ``test_shared_prefill.py`` checks it may be): per method its tokens, batch 1's
     top-two margin at each choice, and its cache statistics."""
-    caches = [CompressedCache(model.config.num_hidden_layers) for _ in methods]
+    caches = [CompressedCache.of(model.config) for _ in methods]
     with compress_each_after_prefill(model, methods, caches):
         prompt_logits = model(input_ids=ids, past_key_values=caches[0], use_cache=True, logits_to_keep=1).logits
     return [decode_alone(model, cache, method, prompt_logits, ids.shape[1], max_new, stops, question, min_new, trigger)
@@ -55,7 +55,7 @@ def batch1(model, ids, methods, max_new, stops, question=None, min_new=0, trigge
 
 
 def decode_alone(model, cache, method, logits, n, max_new, stops, question, min_new, trigger):
-    stats = CompressionStats(max_kv_entries=max(max(h) for h in cache.entries_per_head()))
+    stats = CompressionStats(max_kv_entries=cache.most_entries())
     stop_ids = torch.tensor(sorted(stops), dtype=torch.long)
     tokens, margins = [], []
     with recompress_when_full(model, method, cache, trigger, stats):
@@ -182,7 +182,7 @@ def test_pooled_rows_equal_masked_full_attention(arch):
     for cell, n in zip(cells, (100, 80, 130, 60)):
         spy = Spy(build(cell))
         ids, tokens = torch.randint(0, 256, (1, n), generator=g), torch.randint(0, 256, (6,), generator=g).tolist()
-        cache = CompressedCache(model.config.num_hidden_layers, 0)
+        cache = CompressedCache.of(model.config, 0)
         with torch.no_grad(), compress_after_prefill(model, spy, cache):
             model(input_ids=ids, past_key_values=cache)
         rows.append((ids, tokens, spy, cache))

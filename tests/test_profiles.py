@@ -187,7 +187,7 @@ def test_official_adakv_on_the_embedded_models_real_tensors(embedded_dir):
     model = prepare(AutoModelForCausalLM.from_pretrained(embedded_dir))
     ids = Haystack(AutoTokenizer.from_pretrained(embedded_dir), essay_files(None), "").tokens[:700]
     window, budget, states = 32, 128, {}
-    cache = CompressedCache(model.config.num_hidden_layers)
+    cache = CompressedCache.of(model.config)
     with torch.no_grad(), after_prefill(model, cache, [window],
                                         lambda queries, state, layer: states.__setitem__(state.layer_idx, state)):
         model(input_ids=torch.tensor([ids]), use_cache=True, past_key_values=cache)

@@ -55,7 +55,7 @@ def test_the_shared_prefill_holds_one_full_layer_beside_the_compressed_ones():
     earlier layers (a model-wide cell: all of them whole), never a second full layer."""
     model = tiny_model("llama")
     built = methods()[:5]                      # layer-by-layer methods only
-    caches = [CompressedCache(model.config.num_hidden_layers) for _ in built]
+    caches = [CompressedCache.of(model.config) for _ in built]
     seen = []
 
     def watch(module, args, kwargs, output):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..errors import ConfigError
 from ..identity import RunIdentity
 from ..provenance import sha256_text
 from .alpacaeval_data import HUB_INSTRUCTIONS, HUB_REPO, hub_file, read_records, write_model_outputs
@@ -25,6 +26,9 @@ class AlpacaEval(Benchmark):
         self.records: list[dict] = []
 
     def check(self) -> None:
+        if not self.run_cfg.model.chat_template:
+            raise ConfigError(f"benchmark=alpacaeval answers instructions in a chat model's template; "
+                              f"model={self.run_cfg.model.name} is a pretrained model (model.chat_template=false)")
         limit = self.cfg.limit
         if limit is not None and (not isinstance(limit, int) or limit <= 0):
             raise ValueError(f"benchmark.limit={limit!r} must be a positive integer or null")

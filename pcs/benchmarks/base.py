@@ -30,6 +30,7 @@ class Sample:
     stop_texts: tuple[str, ...] = ()   # extra stops: the last token of each string ends generation
     min_new_tokens: int = 0         # stops cannot end generation before this many tokens
     answer_prefix: str = ""         # the answer's start, after the chat template's assistant header
+    completion_cue: str = ""        # before it, where no chat template applies (a pretrained model)
 
 
 class Benchmark:
@@ -54,7 +55,7 @@ class Benchmark:
     def encode(self, sample: Sample, tokenizer, model_cfg) -> PromptIds:
         """Token ids of a sample's prompt (a benchmark may truncate it first)."""
         return encode_prompt(tokenizer, sample.prompt, model_cfg, use_chat=sample.chat, question=sample.question,
-                             answer_prefix=sample.answer_prefix)
+                             answer_prefix=sample.answer_prefix, completion_cue=sample.completion_cue)
 
     def score(self, row: dict) -> float | None:
         """A row's score on the benchmark's 0-100 scale, from the step's fields and the sample's meta

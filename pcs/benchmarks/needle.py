@@ -19,6 +19,7 @@ from .base import Benchmark, Sample
 
 QUESTION = "Answer the question using only the document above.\nQuestion: {question}"
 PROMPT = "{context}\n\n" + QUESTION
+COMPLETION_CUE = "\nAnswer:"    # a pretrained model's prompt ends where the answer starts
 
 
 def essay_files(haystack_dir: str | None) -> list[Path]:
@@ -74,7 +75,7 @@ class Needle(Benchmark):
         question = "" if self.cfg.query_aware else QUESTION.format(question=self.cfg.question)
         return [Sample(id=f"len{length}_depth{depth}",
                        prompt=haystack.prompt(length, depth, self.cfg.question),
-                       max_new_tokens=self.cfg.max_new_tokens, question=question,
+                       max_new_tokens=self.cfg.max_new_tokens, question=question, completion_cue=COMPLETION_CUE,
                        meta={"context_length": length, "depth_percent": depth})
                 for length in self.cfg.context_lengths for depth in self.cfg.depth_percents]
 

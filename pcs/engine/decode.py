@@ -32,8 +32,9 @@ import numpy as np
 import torch
 
 from ..cache import CompressedCache
-from ..compression import CompressionStats, attention_modules, recompress
+from ..compression import CompressionStats, at_unit_scale, attention_modules, recompress
 from ..eviction.base import Method
+from ..hybrid import attention_windows, full_attention_layers
 from .pool import PoolCache
 
 
@@ -116,6 +117,7 @@ class DecodePool:
         self.tokens = 0            # tokens decoded by the pool
         self.busy_s = 0.0          # seconds spent in its steps
         self.o_proj = [m.o_proj.weight for m in attention_modules(model)]
+        self.compressed = tuple(full_attention_layers(attention_windows(model.config)))   # where methods choose
         self.sequences: list[Sequence] = []            # slot order
         self.release()
 
@@ -213,12 +215,13 @@ class DecodePool:
             seq.n_queries = min(recent.shape[1], ring.shape[2]) if recent is not None and recent.dim() == 3 else 0
             if seq.n_queries:
                 ring[slot, :, -seq.n_queries:] = recent[:, -seq.n_queries:]
-            self.layers[i].recorder = self.recorder(i)
+            if not self.layers[i].is_sliding:      # a sliding layer is never recompressed: nothing to remember
+                self.layers[i].recorder = self.recorder(i)
 
     def recorder(self, i: int):
-        def record(query: torch.Tensor) -> None:      # (batch, H_q, 1, d), rotary applied
+        def record(query: torch.Tensor, scaling: float | None) -> None:   # (batch, H_q, 1, d), rotary applied
             ring, b = self.queries[i], query.shape[0]
-            ring[:b] = torch.cat([ring[:b, :, 1:], query.to(ring.dtype)], dim=2)
+            ring[:b] = torch.cat([ring[:b, :, 1:], at_unit_scale(query, scaling).to(ring.dtype)], dim=2)
         return record
 
     def fit_queries(self, slots: int) -> None:
@@ -296,7 +299,8 @@ class DecodePool:
             out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True)
             self.logits[:live] = out.logits[:, -1]
         self.cache.stepped(live)
-        longest = np.max([layer.lengths[:live].max(axis=1) for layer in self.layers], axis=0)
+        longest = np.max([layer.lengths[:live].max(axis=1) for layer in self.layers if not layer.is_sliding]
+                         or [np.zeros(live, dtype=np.int64)], axis=0)
         for seq, held in zip(self.sequences, longest.tolist()):
             seq.position += 1
             seq.n_queries += 1
@@ -311,12 +315,12 @@ class DecodePool:
             if seq.trigger is None:
                 continue
             for i, layer in enumerate(self.layers):
-                if int(layer.lengths[slot].max()) <= seq.trigger:
+                if layer.is_sliding or int(layer.lengths[slot].max()) <= seq.trigger:
                     continue
                 row = layer.row_layer(slot)
                 window = min(seq.n_queries, seq.method.window, self.queries[i].shape[2])
                 row.recent_queries = self.queries[i][slot, :, self.queries[i].shape[2] - window:]
-                if recompress(row, seq.method, i, n_layers, self.o_proj[i]):
+                if recompress(row, seq.method, i, n_layers, self.o_proj[i], self.compressed):
                     seq.stats.compressed_at.add(seq.position)
                     layer.load(slot, row, seq.room())
 

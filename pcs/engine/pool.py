@@ -21,6 +21,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache import CompressibleLayer, HeldKeys
+from ..hybrid import attention_windows
 
 GROWTH = 256   # entries added beyond what a growing layer needs (it grows by at least half)
 
@@ -159,27 +160,109 @@ class PoolLayer(CacheLayerMixin):
         return -1
 
 
+class SlidingPoolLayer(PoolLayer):
+    """A sliding-window layer of the pool: per slot a ring of ``window`` entries, position p in ring slot
+    p % window, as in the batch-1 ``SlidingWindowLayer`` it loads from. A step writes each sequence's entry over
+    the one its window no longer covers, so the capacity never grows and attention reads every filled slot;
+    ``lengths`` counts the filled slots (at most the window). Never recompressed."""
+    is_sliding = True
+
+    def __init__(self, window: int, n_kv_heads: int, head_dim: int, dtype, device, max_slots: int):
+        self.window = window
+        self.positions = np.zeros(0, dtype=np.int64)   # host mirror: each slot's next position
+        super().__init__(n_kv_heads, head_dim, dtype, device, max_slots)
+
+    def grown(self, slots: int, needed: int, rows: int) -> tuple[int, int, int]:
+        return super().grown(slots, 1, 1)[:1] + (self.window, 1)
+
+    def reserve(self, slots: int, needed: int, rows: int) -> None:
+        more = self.grown(slots, needed, rows)[0] - len(self.positions)
+        if more > 0:
+            self.positions = np.concatenate([self.positions, np.zeros(more, dtype=np.int64)])
+        super().reserve(slots, needed, rows)
+
+    def index(self, slot: int) -> None:
+        """Slot ``slot``'s flat write indices: its ring's slot for its next position."""
+        h, w = self.n_kv_heads, self.window
+        at = int(self.positions[slot]) % w
+        rings = torch.arange(slot * h, (slot + 1) * h, device=self.device) * w
+        self.next_slot[slot * h:(slot + 1) * h] = rings + at
+        self.next_allowed[slot * h:(slot + 1) * h] = rings + at
+
+    def load(self, slot: int, layer, room: int) -> None:
+        if not layer.is_sliding or layer.window != self.window:
+            raise ValueError(f"a sliding-window pool layer (window {self.window}) loads a sliding-window layer of "
+                             f"the same window")
+        self.reserve(slot + 1, 1, 1)
+        self.positions[slot] = layer.n_positions
+        super().load(slot, layer, 0)
+
+    def move(self, source: int, target: int) -> None:
+        self.positions[target] = self.positions[source]
+        for buffer in (self.key_buffer, self.value_buffer):
+            buffer[target] = buffer[source]
+        self.allowed[target] = self.allowed[source]
+        self.lengths[target] = self.lengths[source]
+        self.advance[target] = 1
+        self.index(target)
+        self.free(source)
+
+    def free(self, slot: int) -> None:
+        self.positions[slot] = 0
+        super().free(slot)
+
+    def row_layer(self, slot: int):
+        raise RuntimeError("a sliding-window layer keeps its window: it is never recompressed")
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """As ``PoolLayer.update``, the write indices wrapping around each ring."""
+        b, h, d, w = self.batch, self.n_kv_heads, self.head_dim, self.window
+        slots = self.next_slot[:b * h]
+        self.key_buffer.view(-1, d).index_copy_(0, slots, key_states.reshape(-1, d))
+        self.value_buffer.view(-1, d).index_copy_(0, slots, value_states.reshape(-1, d))
+        self.allowed.view(-1).index_fill_(0, self.next_allowed[:b * h], True)
+        rings = slots - slots % w
+        slots.copy_(rings + (slots - rings + self.advance[:b, None].expand(b, h).reshape(-1)) % w)
+        self.next_allowed[:b * h].copy_(slots)
+        held = HeldKeys(self.key_buffer[:b, :, :self.width], self.allowed[:b, :, :, :self.width], self.recorder)
+        return held, self.value_buffer[:b, :, :self.width]
+
+    def stepped(self, batch: int) -> None:
+        self.lengths[:batch] = np.minimum(self.lengths[:batch] + 1, self.window)
+        self.positions[:batch] += 1
+
+
+def pool_layer(window: int | None, n_kv_heads: int, head_dim: int, dtype, device, max_slots: int) -> PoolLayer:
+    if window is None:
+        return PoolLayer(n_kv_heads, head_dim, dtype, device, max_slots)
+    return SlidingPoolLayer(window, n_kv_heads, head_dim, dtype, device, max_slots)
+
+
 class PoolCache(Cache):
     """The pool's layers, one per decoder layer, called by transformers' models as any cache."""
 
     def __init__(self, config, dtype, device, max_slots: int = 1 << 30):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        super().__init__(layers=[PoolLayer(config.num_key_value_heads, head_dim, dtype, device, max_slots)
-                                 for _ in range(config.num_hidden_layers)])
+        super().__init__(layers=[pool_layer(w, config.num_key_value_heads, head_dim, dtype, device, max_slots)
+                                 for w in attention_windows(config)])
 
     def prepare_step(self, batch: int, full: bool = False) -> None:
         """Before a forward of slots ``[0, batch)``: attention reads each layer's longest head plus the step's
-        entry, or (``full``) the layer's whole capacity, a shape that stays the same from step to step."""
+        entry (a sliding layer's ring at most), or (``full``) the layer's whole capacity, a shape that stays the
+        same from step to step."""
         for layer in self.layers:
             needed = int(layer.lengths[:batch].max()) + 1
             layer.reserve(batch, needed, layer.rows)
-            layer.batch, layer.width = batch, layer.capacity if full else needed
+            layer.batch, layer.width = batch, layer.capacity if full else min(needed, layer.capacity)
 
     def stepped(self, batch: int) -> None:
         """After a forward: the host's lengths follow the device's (one entry more per head in flight)."""
         for layer in self.layers:
-            layer.lengths[:batch] += 1
+            if layer.is_sliding:
+                layer.stepped(batch)
+            else:
+                layer.lengths[:batch] += 1
 
     def longest(self, slot: int) -> int:
-        """Most entries any head of the slot holds in any layer."""
-        return max(int(layer.lengths[slot].max()) for layer in self.layers)
+        """Most entries any head of the slot holds in a full-attention layer."""
+        return max([int(layer.lengths[slot].max()) for layer in self.layers if not layer.is_sliding], default=0)

@@ -10,6 +10,7 @@ import torch
 from ..cache import CompressedCache
 from ..compression import CompressionStats, compress_each_after_prefill, recompress_when_full
 from ..eviction.base import Method
+from ..hybrid import attention_windows, held_entries
 from .decode import Generation, Sequence, clock
 
 
@@ -50,10 +51,11 @@ class Arrival:
 
 
 def full_kv_bytes(config, n_tokens: int, dtype: torch.dtype) -> int:
-    """Bytes of an uncompressed K and V cache for ``n_tokens`` over all layers."""
+    """Bytes of the model's own K and V cache after ``n_tokens``: every entry of a full-attention layer, the
+    window's newest W - 1 of a sliding-window layer."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
-    return per_token * n_tokens * torch.empty(0, dtype=dtype).element_size()
+    per_entry = 2 * config.num_key_value_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    return per_entry * sum(held_entries(w, n_tokens) for w in attention_windows(config))
 
 
 @torch.inference_mode()
@@ -65,7 +67,7 @@ def prefill(model, input_ids: torch.Tensor, cells: list[Cell], max_new_tokens: i
     device = next(model.parameters()).device
     n = input_ids.shape[1]
     room = 0 if question_ids is None else question_ids.shape[1]     # the question is appended before decoding
-    caches = [CompressedCache(model.config.num_hidden_layers, room) for _ in cells]
+    caches = [CompressedCache.of(model.config, room) for _ in cells]
     start = clock(device)
     with compress_each_after_prefill(model, [cell.method for cell in cells], caches) as compressed:
         logits = model(input_ids=input_ids.to(device), past_key_values=caches[0], use_cache=True,
@@ -84,7 +86,7 @@ def with_question(model, cache: CompressedCache, cell: Cell, logits, n: int, pre
                   question_ids, max_new_tokens: int, min_new_tokens: int, stops: frozenset, owner) -> Sequence:
     """A cell's sequence: the question (if fed after compression) on its compressed cache, then its sizes."""
     device = logits.device
-    stats = CompressionStats(max_kv_entries=max(max(h) for h in cache.entries_per_head()))
+    stats = CompressionStats(max_kv_entries=cache.most_entries())
     start = clock(device)
     with recompress_when_full(model, cell.method, cache, cell.trigger, stats):
         if question_ids is not None:

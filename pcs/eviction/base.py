@@ -25,6 +25,16 @@ class LayerState:
     window_queries: torch.Tensor  # (H_q, w, d), the last w queries, rotary applied
     o_proj_weight: torch.Tensor   # (hidden, H_q * d)
     pad: torch.Tensor | None = None   # (H_kv,) leading padding entries per head (decode-time recompression)
+    compressed: tuple[int, ...] | None = None   # the model's layers methods choose in (None: all of them; a
+                                                # hybrid model's sliding-window layers keep their window)
+
+    @property
+    def depth(self) -> tuple[int, int]:
+        """(index, count) of this layer among the layers methods choose in: what a per-layer schedule
+        (PyramidKV's) runs over."""
+        if self.compressed is None:
+            return self.layer_idx, self.n_layers
+        return self.compressed.index(self.layer_idx), len(self.compressed)
 
     @property
     def n_tokens(self) -> int:

@@ -51,10 +51,11 @@ class PyramidKV(WindowEviction):
 
     def prefix_budgets(self, layer, stage1_scores):
         n_prefix, rule = stage1_scores.shape[1], self.conventions.pyramid_budgets
+        depth, n_depths = layer.depth    # the pyramid spans the layers methods choose in (a hybrid's full ones)
         if rule == "kvpress":
-            b = kvpress_layer_budget(layer.layer_idx, layer.n_layers, self.budget, self.window, layer.n_tokens, self.beta)
+            b = kvpress_layer_budget(depth, n_depths, self.budget, self.window, layer.n_tokens, self.beta)
         elif rule == "kvcache_factory" and layer.n_tokens < 2 * (self.budget - self.window):
             b = self.budget - self.window   # KVCache-Factory's branch for short prompts: uniform
         else:
-            b = pyramid_layer_budget(layer.layer_idx, layer.n_layers, self.budget, self.window, n_prefix, self.beta)
+            b = pyramid_layer_budget(depth, n_depths, self.budget, self.window, n_prefix, self.beta)
         return torch.full((stage1_scores.shape[0],), min(b, n_prefix), dtype=torch.long)
