@@ -105,10 +105,12 @@ class LayerChoices:
     layer as it passes and chooses for all layers in ``finish``, once all are seen."""
 
     def __init__(self, method: Method, n_layers: int):
-        self.method, self.kept, self.scores, self.n_tokens = method, [None] * n_layers, {}, 0
+        self.given, self.kept, self.scores, self.n_tokens = method, [None] * n_layers, {}, 0
+        self.method = method
 
     def add(self, state: LayerState):
         """The layer's kept entries if they are known now (None: kept whole, or chosen in ``finish``)."""
+        self.method = self.given.for_prompt(state.n_tokens)   # a share-of-prompt budget, in entries
         if not self.method.model_wide:
             self.kept[state.layer_idx] = self.method.keep(state)
             return self.kept[state.layer_idx]

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from . import budget
+from .budget import is_share
 from .errors import ConfigError
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -144,8 +146,11 @@ def check_knob_values(group: str, node: DictConfig) -> None:
             raise ConfigError(f"{group}.{key}={value!r} must lie in [{low}, {high}]")
 
 
-def check_room(budget: int, window: int | None = None, sinks: int = 0) -> None:
-    """The budget must hold the observation window (if the method has one), and the sinks beside it."""
+def check_room(budget: int | float, window: int | None = None, sinks: int = 0) -> None:
+    """The budget must hold the observation window (if the method has one), and the sinks beside it (a share of
+    each prompt holds them by construction: ``pcs.budget.entries``)."""
+    if is_share(budget):
+        return
     if window is not None and not 0 < window <= budget:
         raise ConfigError(f"budget={budget} cannot hold the observation window method.window={window}; "
                           f"use budget >= {window} or a smaller window")
@@ -161,14 +166,16 @@ def validate(cfg: DictConfig) -> None:
     for group in ("model", "method", "selection", "profile", "benchmark"):
         group_file(group, cfg[group].name)
     one_of("model.dtype", cfg.model.dtype, DTYPES)
-    if not positive_int(cfg.budget):
-        raise ConfigError(f"budget={cfg.budget!r} must be a positive integer (entries per KV head)")
+    budget.check(cfg.budget)
     check_method_knobs(cfg)
     for group in ("method", "selection"):
         check_knob_values(group, cfg[group])
     from .eviction.conventions import Conventions   # torch-free; a profile checks its own conventions
     Conventions(**knobs(cfg.profile))
     trigger = cfg.compress.trigger
+    if trigger is not None and budget.is_share(cfg.budget):
+        raise ConfigError(f"compress.trigger bounds entries per head during decoding; it needs a budget in entries, "
+                          f"not budget={cfg.budget} (a share of each prompt)")
     if trigger is not None and not (positive_int(trigger) and trigger > cfg.budget):
         raise ConfigError(f"compress.trigger={trigger!r} must be an integer above budget={cfg.budget} "
                           f"(or null for no decoding-time compression)")

@@ -3,7 +3,7 @@ transformers config, and the architectures pcs refuses (torch-free: it runs befo
 
 A sliding-window layer's query at position p sees positions p - W + 1 .. p; between steps such a layer holds the
 W - 1 newest entries, as transformers' own cache does, whatever the method: eviction methods choose only in
-full-attention layers. Gemma 2 and 3, gpt-oss, Qwen2 with ``use_sliding_window`` declare the kind of each layer
+full-attention layers. Gemma 3 and Qwen2 with ``use_sliding_window`` declare the kind of each layer
 (``layer_types``); a Mistral config without ``layer_types`` slides in every layer when it sets a window.
 """
 from __future__ import annotations
@@ -29,8 +29,17 @@ def attention_windows(config) -> list[int | None]:
     return [window if kind == SLIDING else None for kind in kinds]
 
 
+# Architectures whose attention pcs's cache would compute differently, whatever their layer kinds.
+REFUSED = {
+    "gpt_oss": "learned attention sinks (an extra logit per head) that scaled_dot_product_attention cannot add",
+    "cohere2": "full-attention layers without rotary positions, which the methods' window queries assume",
+}
+
+
 def refuse_unsupported(config) -> None:
     name = getattr(config, "model_type", type(config).__name__)
+    if name in REFUSED:
+        raise UnsupportedModel(f"{name}: {REFUSED[name]}")
     kinds = getattr(config, "layer_types", None)
     if kinds is not None:
         other = sorted(set(kinds) - {FULL, SLIDING})

@@ -15,6 +15,7 @@ from functools import cached_property
 
 from omegaconf import DictConfig, OmegaConf
 
+from . import budget
 from .config import declared, default_option, group_file, is_declaration, uses
 
 # Where files live and which device runs: not part of what a run measures, so not in its name
@@ -126,11 +127,12 @@ class RunIdentity:
     @cached_property
     def table(self) -> str | None:
         """The report table the run's scores go to: benchmark, method and every knob other than selection
-        and budget, so that a table's cells differ only in those (None for a run without budget: the
-        full cache joins every table of its benchmark and setting)."""
+        and budget (entries, or a share of each prompt: a table of its own), so that a table's cells differ only
+        in those (None for a run without budget: the full cache joins every table of its benchmark and setting)."""
         if not self.reads_budget:
             return None
-        return "_".join([self.cfg.benchmark.name, self.cfg.method.name] + self.method_knobs + self.setting_knobs)
+        share = ["share"] if budget.is_share(self.cfg.budget) else []   # a share of each prompt: its own curve
+        return "_".join([self.cfg.benchmark.name, self.cfg.method.name] + share + self.method_knobs + self.setting_knobs)
 
     @property
     def setting(self) -> str:

@@ -13,9 +13,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .cache import ATTN_IMPLEMENTATION, register_attention
+from .hybrid import attention_windows
 from .paths import default_cache_dir, package_dir
 
 
@@ -92,6 +93,7 @@ def prepare(model):
 def load_model(model_cfg):
     """(model, tokenizer) for a ``model`` config group."""
     location = weights_location(model_cfg)
+    attention_windows(AutoConfig.from_pretrained(location))   # refuses what pcs cannot compress, before the weights
     tokenizer = AutoTokenizer.from_pretrained(location)
     # device_map="auto" spreads a model too big for one GPU (Qwen2.5-32B) over all visible GPUs.
     device_map = model_cfg.get("device_map") or str(pick_device(model_cfg.get("device")))

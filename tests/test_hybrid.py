@@ -137,3 +137,20 @@ def test_a_pool_of_hybrid_sequences_gives_batch_one_tokens_and_bytes():
 def test_models_pcs_cannot_compress_are_refused_naming_why(config, why):
     with pytest.raises(UnsupportedModel, match=why):
         attention_windows(config())
+
+
+@pytest.mark.parametrize("name,why", [("gpt_oss", "sinks"), ("cohere2", "rotary")])
+def test_architectures_pcs_cannot_reproduce_are_refused(name, why):
+    from transformers import AutoConfig
+    with pytest.raises(UnsupportedModel, match=why):
+        attention_windows(AutoConfig.for_model(name))
+
+
+def test_a_refused_model_fails_before_its_weights_load(tmp_path, monkeypatch):
+    """model.path to a Gemma 2 checkpoint: the config is read, the weights never are."""
+    import pcs.models
+    hybrid(Gemma2Config(**TINY, head_dim=8)).save_pretrained(tmp_path)
+    monkeypatch.setattr(pcs.models.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the weights were loaded"))
+    with pytest.raises(UnsupportedModel, match="soft-capped"):
+        pcs.models.load_model(compose_cfg(f"model.path={tmp_path}").model)

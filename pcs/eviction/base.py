@@ -6,10 +6,13 @@ interface below and nothing else. A method's module is its class; its config fil
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from .. import budget
 
 # Per layer: None (the layer is kept whole) or one ascending LongTensor of kept positions per KV head.
 Kept = Optional[list[torch.Tensor]]
@@ -80,6 +83,15 @@ class Method:
     def stage1(self, layer: LayerState) -> list[torch.Tensor] | None:
         """A two-stage method's first-stage picks per KV head, window excluded (None: kept whole)."""
         return None
+
+    def for_prompt(self, n_tokens: int) -> Method:
+        """The method for one prompt of ``n_tokens``: itself, or, where its ``budget`` is a share of each prompt
+        (``pcs.budget``), a copy whose budget is that share in entries (at least its window and sinks)."""
+        share = getattr(self, "budget", None)
+        if not budget.is_share(share):
+            return self
+        least = self.window + getattr(self, "sinks", 0)
+        return dataclasses.replace(self, budget=budget.entries(share, n_tokens, least))
 
 
 def window_positions(n_tokens: int, window: int, device=None) -> torch.Tensor:

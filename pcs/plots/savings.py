@@ -14,17 +14,21 @@ STYLE = {"attention": "-", "perturbation": "--"}
 
 
 def savings_plot(df: pd.DataFrame, saved: pd.DataFrame, path: Path) -> Path:
-    """One panel per method: average score vs budget, both selections per model, savings as arrows."""
+    """One panel per report table (benchmark, method and setting: runs that differ only in selection and
+    budget): average score vs budget, both selections per model, savings as arrows."""
     avg = df[(df["domain"] == "average") & df["budget"].notna() & df["selection"].isin(list(STYLE))]
-    methods = list(dict.fromkeys(avg["method"]))
-    fig, axes = plt.subplots(1, len(methods), figsize=(5.2 * len(methods), 4.2), squeeze=False)
+    tables = list(dict.fromkeys(avg["table"]))
+    columns = min(len(tables), 3)
+    rows = -(-len(tables) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 4.2 * rows), squeeze=False)
     colours = {m: f"C{i}" for i, m in enumerate(dict.fromkeys(avg["model"]))}
-    for ax, method in zip(axes[0], methods):
-        for (model, selection), g in avg[avg["method"] == method].groupby(["model", "selection"], sort=False):
+    for ax, table in zip(axes.flat, tables):
+        mine = avg[avg["table"] == table]
+        for (model, selection), g in mine.groupby(["model", "selection"], sort=False):
             g = g.drop_duplicates("budget").sort_values("budget")
             ax.plot(g["budget"], g["score"], STYLE[selection], marker="o", color=colours[model],
                     label=f"{model}, {'w/' if selection == 'perturbation' else 'w/o'} perturbation selection")
-        for _, row in saved[(saved["method"] == method) & saved["equivalent_budget"].notna()].iterrows():
+        for _, row in saved[(saved["table"] == table) & saved["equivalent_budget"].notna()].iterrows():
             ax.annotate("", xy=(row["equivalent_budget"], row["score"]), xytext=(row["budget"], row["score"]),
                         arrowprops={"arrowstyle": "->", "color": colours[row["model"]], "lw": 1})
             ax.annotate(f"{row['savings_pct']:.1f} %", (row["equivalent_budget"], row["score"]),
@@ -34,11 +38,14 @@ def savings_plot(df: pd.DataFrame, saved: pd.DataFrame, path: Path) -> Path:
                 eq = row["equivalent_budget"]
                 ax.errorbar([eq], [row["score"]], xerr=[[max(0.0, eq - low)], [max(0.0, high - eq)]], fmt="none",
                             ecolor=colours[row["model"]], capsize=3, lw=1)
+        share = bool((mine["budget"] < 1).all())
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("budget (entries per KV head)")
+        ax.set_xlabel("budget (share of each prompt)" if share else "budget (entries per KV head)")
         ax.set_ylabel("average score")
-        ax.set_title(method)
+        ax.set_title(table, fontsize=9)
         ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(tables):]:
+        ax.set_visible(False)
     fig.suptitle("Budget attention-only selection needs to match perturbation selection\n"
                  "(arrows: savings; bars: 95 % bootstrap interval of the equivalent budget)")
     fig.tight_layout()

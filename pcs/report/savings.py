@@ -38,7 +38,7 @@ def savings(df: pd.DataFrame, baseline: str = "attention", candidate: str = "per
             continue
         for _, row in cand.iterrows():
             eq, note = equivalent_budget(base["budget"].tolist(), base["score"].tolist(), row["score"])
-            out.append({"model": model, "method": method, "budget": int(row["budget"]), "score": row["score"],
+            out.append({"model": model, "method": method, "budget": row["budget"], "score": row["score"],
                         "equivalent_budget": None if eq is None else round(eq, 1),
                         "savings_pct": None if eq is None else round(100 * (1 - row["budget"] / eq), 1),
                         "note": note, "table": table})
