@@ -26,21 +26,27 @@ def test_budgets_that_mean_nothing_are_refused_before_the_model_loads(bad):
         validate(compose_cfg(*bad.split()))
 
 
-def test_each_prompt_is_compressed_to_its_share(tiny_model_dir, tmp_path):
-    """Needle prompts of three lengths at budget=0.25: every layer and KV head of the (tiny Llama) cache holds
-    int(0.25 n) entries, n the prompt's tokens; the run has its own folder and report table."""
+BENCHMARKS = {
+    "needle": ["benchmark=needle", "benchmark.context_lengths=[200,300,400]", "benchmark.depth_percents=[50]",
+               "benchmark.max_new_tokens=2"],
+    # RULER's essay haystacks fill its prompts unevenly: each task's prompts differ in length at one nominal length.
+    "ruler": ["benchmark=ruler", "benchmark.lengths=[1024]", "benchmark.tasks=[niah_single_1,vt,fwe]",
+              "benchmark.n_samples=1"],
+}
+
+
+@pytest.mark.parametrize("benchmark", sorted(BENCHMARKS))
+def test_each_prompt_is_compressed_to_its_share(tiny_model_dir, tmp_path, benchmark):
+    """budget=0.25: every layer and KV head of the (tiny Llama) cache holds int(0.25 n) entries, n the tokens of
+    that prompt, whatever the prompt; the run has its own folder and report table."""
     cfg = compose_cfg(f"model.path={tiny_model_dir}", f"results_dir={tmp_path}", "progress=false",
-                      "benchmark.context_lengths=[200,300,400]", "benchmark.depth_percents=[50]",
-                      "benchmark.max_new_tokens=2", "method=snapkv", "method.window=8", "budget=0.25")
+                      *BENCHMARKS[benchmark], "method=snapkv", "method.window=8", "budget=0.25")
     run(cfg)
     identity = RunIdentity(cfg)
     assert "/snapkv_perturbation_b0.25_" in identity.folder and "share" in identity.table
     assert "share" not in RunIdentity(compose_cfg("method=snapkv", "budget=128")).table
     rows = [json.loads(line) for line in (Path(tmp_path) / identity.folder / "predictions.jsonl").read_text().splitlines()]
     per_entry = 4 * 2 * 2 * 8 * 4        # layers x KV heads x (key, value) x head dim x float32
-    assert len({r["prompt_tokens"] for r in rows}) == 3
-    for r in rows:
-        # The prompt at prefill is the whole prompt (query-aware); the decoded tokens add one entry each, the last
-        # chosen token is not fed.
-        held = r["kv_cache_bytes"] // per_entry
-        assert held == int(0.25 * r["prompt_tokens"]), r
+    assert len({r["prompt_tokens"] for r in rows}) >= 3
+    for r in rows:   # bytes held right after compression (the whole prompt is compressed: query-aware)
+        assert r["kv_cache_bytes"] == int(0.25 * r["prompt_tokens"]) * per_entry, r
