@@ -54,7 +54,7 @@ def run_prefill(model, input_ids: torch.Tensor, methods: dict, two_stage: Method
     def on_layer(queries, state: LayerState, layer) -> None:
         for choice in choices.values():
             choice.add(state)
-        first = two_stage.stage1(state) if two_stage is not None else None
+        first = two_stage.for_prompt(state.n_tokens).stage1(state) if two_stage is not None else None
         if first is not None:
             stage1_prefix[state.layer_idx] = first
             stage1[state.layer_idx] = [torch.cat([f, window_positions(state.n_tokens, two_stage.window, f.device)])
