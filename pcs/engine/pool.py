@@ -198,14 +198,9 @@ class SlidingPoolLayer(PoolLayer):
         super().load(slot, layer, 0)
 
     def move(self, source: int, target: int) -> None:
+        """As a full layer's: a ring's filled slots are its first ``lengths`` (all of them once it wrapped)."""
         self.positions[target] = self.positions[source]
-        for buffer in (self.key_buffer, self.value_buffer):
-            buffer[target] = buffer[source]
-        self.allowed[target] = self.allowed[source]
-        self.lengths[target] = self.lengths[source]
-        self.advance[target] = 1
-        self.index(target)
-        self.free(source)
+        super().move(source, target)
 
     def free(self, slot: int) -> None:
         self.positions[slot] = 0
