@@ -28,14 +28,19 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def window_queries(attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings,
                    window: int) -> torch.Tensor:
     """Rotary-embedded queries of the last ``window`` tokens, (H_q, w, d), recomputed from the layer input as
-    the attention module computes them (its query norm, where it has one: Gemma 3, Qwen3). Scaled so that
+    the attention module computes them (its query norm, where it has one: per head in Gemma 3 and Qwen3, over all
+    heads in OLMo 3). Scaled so that
     ``q k / sqrt(d)``, which the methods' window attention computes, is the model's own logit where its scale
     is not ``1 / sqrt(d)`` (Gemma's ``query_pre_attn_scalar``)."""
     d = attn.head_dim
     h = hidden_states[:, -window:]
-    q = attn.q_proj(h).view(1, h.shape[1], -1, d).transpose(1, 2)       # (1, H_q, w, d)
-    if getattr(attn, "q_norm", None) is not None:
-        q = attn.q_norm(q)
+    q = attn.q_proj(h)
+    norm = getattr(attn, "q_norm", None)
+    if norm is not None and norm.weight.shape[-1] != d:     # over every head's dimensions at once (OLMo 3)
+        q = norm(q)
+    q = q.view(1, h.shape[1], -1, d).transpose(1, 2)                    # (1, H_q, w, d)
+    if norm is not None and norm.weight.shape[-1] == d:     # per head (Gemma 3, Qwen3)
+        q = norm(q)
     cos, sin = position_embeddings
     cos, sin = cos[:, -window:].unsqueeze(1), sin[:, -window:].unsqueeze(1)
     return at_unit_scale((q * cos + rotate_half(q) * sin)[0], getattr(attn, "scaling", None))

@@ -29,17 +29,25 @@ def attention_windows(config) -> list[int | None]:
     return [window if kind == SLIDING else None for kind in kinds]
 
 
-# Architectures whose attention pcs's cache would compute differently, whatever their layer kinds.
+# Architectures whose attention pcs's cache or the methods' window queries would compute differently: model type ->
+# (whether a config has the trait, the trait).
+NO_ROPE = "full-attention layers without rotary positions, which the methods' window queries assume"
 REFUSED = {
-    "gpt_oss": "learned attention sinks (an extra logit per head) that scaled_dot_product_attention cannot add",
-    "cohere2": "full-attention layers without rotary positions, which the methods' window queries assume",
+    "gpt_oss": (lambda c: True, "learned attention sinks (an extra logit per head) that scaled_dot_product_attention "
+                                "cannot add"),
+    "cohere2": (lambda c: True, NO_ROPE),
+    "exaone4": (lambda c: "sliding_attention" in (c.layer_types or []), NO_ROPE),
+    "gemma3n_text": (lambda c: True, "layers that share other layers' keys and values"),
 }
 
 
 def refuse_unsupported(config) -> None:
     name = getattr(config, "model_type", type(config).__name__)
-    if name in REFUSED:
-        raise UnsupportedModel(f"{name}: {REFUSED[name]}")
+    if name in REFUSED and REFUSED[name][0](config):
+        raise UnsupportedModel(f"{name}: {REFUSED[name][1]}")
+    if 0 in (getattr(config, "no_rope_layers", None) or []):     # SmolLM3
+        raise UnsupportedModel(f"{name}: layers without rotary positions (no_rope_layers), which the methods' window "
+                               f"queries assume")
     kinds = getattr(config, "layer_types", None)
     if kinds is not None:
         other = sorted(set(kinds) - {FULL, SLIDING})

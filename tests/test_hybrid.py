@@ -6,7 +6,8 @@ tiny Gemma 3 too (conftest's ``gemma3``); here: against transformers' own slidin
 architectures, and the models pcs refuses."""
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, Gemma2Config, Gemma3TextConfig, MistralConfig, Qwen2Config
+from transformers import (AutoModelForCausalLM, DynamicCache, Gemma2Config, Gemma3TextConfig, MinistralConfig,
+                          MistralConfig, Olmo3Config, Qwen2Config)
 
 from pcs.cache import CompressedCache
 from pcs.compression import compress_after_prefill
@@ -25,6 +26,11 @@ HYBRIDS = {
     "qwen2": lambda: hybrid(Qwen2Config(**TINY, use_sliding_window=True, sliding_window=12, max_window_layers=2)),
     # Mistral-7B-v0.1's config: no layer_types, a window in every layer.
     "mistral": lambda: hybrid(MistralConfig(**TINY, sliding_window=12)),
+    # OLMo 3: three sliding layers to one full; its query norm spans every head's dimensions at once.
+    "olmo3": lambda: hybrid(Olmo3Config(**TINY, sliding_window=12,
+                                        layer_types=["sliding_attention"] * 3 + ["full_attention"])),
+    "ministral": lambda: hybrid(MinistralConfig(**TINY, head_dim=8, sliding_window=12,
+                                                layer_types=["full_attention", "sliding_attention"] * 2)),
 }
 
 
@@ -139,7 +145,8 @@ def test_models_pcs_cannot_compress_are_refused_naming_why(config, why):
         attention_windows(config())
 
 
-@pytest.mark.parametrize("name,why", [("gpt_oss", "sinks"), ("cohere2", "rotary")])
+@pytest.mark.parametrize("name,why", [("gpt_oss", "sinks"), ("cohere2", "rotary"), ("exaone4", "rotary"),
+                                      ("smollm3", "rotary"), ("gemma3n_text", "share")])
 def test_architectures_pcs_cannot_reproduce_are_refused(name, why):
     from transformers import AutoConfig
     with pytest.raises(UnsupportedModel, match=why):
@@ -154,3 +161,33 @@ def test_a_refused_model_fails_before_its_weights_load(tmp_path, monkeypatch):
                         lambda *a, **k: pytest.fail("the weights were loaded"))
     with pytest.raises(UnsupportedModel, match="soft-capped"):
         pcs.models.load_model(compose_cfg(f"model.path={tmp_path}").model)
+
+
+@torch.no_grad()
+def test_window_queries_are_the_queries_the_model_attends_with(model):
+    """What the methods score with: the last w queries as each attention module computes them (its query norm
+    and rotary), scaled so that q k / sqrt(d) is the module's logit."""
+    from transformers import AttentionInterface
+
+    from pcs.compression import attention_modules, window_queries
+    seen, rebuilt = {}, {}
+
+    def capture(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        seen[module.layer_idx] = query[0, :, -6:] * scaling * query.shape[-1] ** 0.5
+        return torch.zeros_like(query).transpose(1, 2), None
+
+    def rebuild(module, args, kwargs, output):
+        rebuilt[module.layer_idx] = window_queries(module, kwargs["hidden_states"], kwargs["position_embeddings"], 6)
+
+    AttentionInterface.register("capture_queries", capture)
+    model.set_attn_implementation("capture_queries")
+    handles = [m.register_forward_hook(rebuild, with_kwargs=True) for m in attention_modules(model)]
+    try:
+        model(input_ids=torch.randint(0, 256, (1, 30)))
+    finally:
+        for h in handles:
+            h.remove()
+        model.set_attn_implementation("pcs")
+    assert sorted(seen) == sorted(rebuilt) == list(range(model.config.num_hidden_layers))
+    for layer in seen:
+        torch.testing.assert_close(rebuilt[layer], seen[layer], rtol=1e-5, atol=1e-5)
