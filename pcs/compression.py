@@ -110,8 +110,8 @@ class LayerChoices:
     layer as it passes and chooses for all layers in ``finish``, once all are seen."""
 
     def __init__(self, method: Method, n_layers: int):
-        self.given, self.kept, self.scores, self.n_tokens = method, [None] * n_layers, {}, 0
-        self.method = method
+        self.given = self.method = method   # ``method`` as configured; ``self.method``: for the prompt at hand
+        self.kept, self.scores, self.n_tokens = [None] * n_layers, {}, 0
 
     def add(self, state: LayerState):
         """The layer's kept entries if they are known now (None: kept whole, or chosen in ``finish``)."""
