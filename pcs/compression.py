@@ -166,8 +166,7 @@ def compress_each_after_prefill(model, methods: list[Method], caches: list[Compr
             own = cell.cache.layers[state.layer_idx]
             earlier = sum(done.nbytes() for done in cell.cache.layers[:state.layer_idx])
             cell.stats.peak_kv_bytes = max(cell.stats.peak_kv_bytes, earlier + full_bytes)
-            mine = LayerState(state.layer_idx, n_layers, state.keys, state.values, queries[cell.method.window],
-                              state.o_proj_weight, compressed=state.compressed)
+            mine = state.seen_by(queries[cell.method.window])
             if own is not layer:
                 own.take(layer)
             own.recent_queries = mine.window_queries    # the window, should decoding recompress later

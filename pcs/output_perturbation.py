@@ -49,12 +49,13 @@ def run_prefill(model, input_ids: torch.Tensor, methods: dict, two_stage: Method
     n_layers = model.config.num_hidden_layers
     choices = {key: LayerChoices(method, n_layers) for key, method in methods.items()}
     stage1, stage1_prefix = [None] * n_layers, [None] * n_layers
-    window = max(m.window for m in methods.values())
+    windows = sorted({m.window for m in [*methods.values(), *([two_stage] if two_stage else [])]})
 
     def on_layer(queries, state: LayerState, layer) -> None:
-        for choice in choices.values():
-            choice.add(state)
-        first = two_stage.for_prompt(state.n_tokens).stage1(state) if two_stage is not None else None
+        for key, choice in choices.items():        # each with its own window's queries, as in a run
+            choice.add(state.seen_by(queries[methods[key].window]))
+        first = (two_stage.for_prompt(state.n_tokens).stage1(state.seen_by(queries[two_stage.window]))
+                 if two_stage is not None else None)
         if first is not None:
             stage1_prefix[state.layer_idx] = first
             stage1[state.layer_idx] = [torch.cat([f, window_positions(state.n_tokens, two_stage.window, f.device)])
@@ -62,7 +63,7 @@ def run_prefill(model, input_ids: torch.Tensor, methods: dict, two_stage: Method
 
     cache = CompressedCache.of(model.config)
     device = next(model.parameters()).device
-    with after_prefill(model, cache, [window], on_layer):
+    with after_prefill(model, cache, windows, on_layer):
         logits = model(input_ids=input_ids.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     dense = [layer.dense() for layer in cache.layers]
     kept = {key: choice.finish() for key, choice in choices.items()}

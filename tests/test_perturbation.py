@@ -191,3 +191,32 @@ def test_laprox_chooses_in_the_analysis_what_it_keeps_in_generation():
     analysed = run_prefill(model, input_ids, {"laprox": LaProx(budget=32, window=WINDOW)}).kept["laprox"]
     for layer, heads in recording.kept.items():
         assert [h.tolist() for h in analysed[layer]] == [h.tolist() for h in heads]
+
+
+def test_the_analysis_keeps_what_each_method_keeps_in_a_run(arch):
+    """Methods with different observation windows in one prefill: the entries ``run_prefill`` reports kept are
+    the entries each method's cache holds after the engine's shared prefill (the path a run takes)."""
+    from pcs.engine import Cell, prefill as engine_prefill
+    model = tiny_model(arch)
+    torch.manual_seed(5)
+    input_ids = torch.randint(0, 256, (1, 120))
+    methods = {"short": method("perturbation", 40),
+               "long": build_method(compose_cfg("method=snapkv", "selection=attention", "budget=40",
+                                                "method.window=16")),
+               "adakv": method("perturbation", 40, "adakv")}
+    prefill = run_prefill(model, input_ids, methods, methods["short"])
+    sequences = engine_prefill(model, input_ids, [Cell(m) for m in methods.values()], 1, set())
+    compared = 0
+    for key, seq in zip(methods, sequences):
+        for l, layer in enumerate(seq.cache.layers):
+            kept = prefill.kept[key][l]
+            if kept is None:                      # a sliding-window layer
+                assert layer.is_sliding
+                continue
+            for h, (keys, _) in enumerate(layer.heads()):
+                torch.testing.assert_close(keys, prefill.keys[l][h, kept[h]], rtol=0, atol=0)
+                compared += 1
+    assert compared >= 3 * model.config.num_key_value_heads
+    # the windows differ, so the two SnapKV readings keep different entries somewhere
+    assert any(not torch.equal(a, b) for la, lb in zip(prefill.kept["short"], prefill.kept["long"])
+               if la is not None for a, b in zip(la, lb))

@@ -31,6 +31,10 @@ class LayerState:
     compressed: tuple[int, ...] | None = None   # the model's layers methods choose in (None: all of them; a
                                                 # hybrid model's sliding-window layers keep their window)
 
+    def seen_by(self, window_queries: torch.Tensor) -> LayerState:
+        """The same layer as a method with another observation window sees it (its own last queries)."""
+        return dataclasses.replace(self, window_queries=window_queries)
+
     @property
     def depth(self) -> tuple[int, int]:
         """(index, count) of this layer among the layers methods choose in: what a per-layer schedule

@@ -20,9 +20,11 @@ from pathlib import Path
 
 from ..identity import RunIdentity
 from ..run_folder import load_config
+from ..plots.ablation import ablation_plot
 from ..plots.needle import needle_comparison, needle_heatmap
 from ..plots.ruler import score_by_length
 from ..plots.savings import savings_plot
+from .ablation import knob_effects, markdown as ablation_markdown
 from .collect import collect, paper_tables, run_folders
 from .savings import savings
 from .significance import RESAMPLES, SEED, savings_intervals, significance
@@ -116,6 +118,22 @@ def significance_section(results: Path, out: Path, resamples: int, seed: int):
     return table, lines + [""]
 
 
+def ablation_section(results: Path, out: Path, resamples: int, seed: int) -> list[str]:
+    """``ablation.csv``, its tables and figure: every reading of a knob ablation against its baselines."""
+    effects = knob_effects(run_folders(results), resamples, seed)
+    if effects.empty:
+        return []
+    effects.to_csv(out / "ablation.csv", index=False)
+    figure = ablation_plot(effects, out / "ablation.png")
+    return (["## Selection knobs", "",
+             "Each reading of the perturbation selection (its conventions, paper's unless named, and its changed "
+             "knobs) on the mean over tasks, against attention-only selection under the same conventions (w/o), "
+             "the paper's knobs under the same conventions, and the same selection under the paper's conventions: "
+             f"delta [95 % paired bootstrap interval] ({resamples} resamples, seed {seed}); * excludes zero. "
+             "Per length: `ablation.csv`.", ""]
+            + ablation_markdown(effects) + ([f"![selection knobs]({figure.name})", ""] if figure else []))
+
+
 def savings_section(df, out: Path, with_intervals: bool, resamples: int, seed: int) -> list[str]:
     saved = savings(df)
     if with_intervals and not saved.empty:
@@ -157,7 +175,8 @@ def build(results: Path, out: Path, with_paper: bool = False, resamples: int = R
             lines += ["# Methods side by side", "", "Average score per method and selection (w/o: attention, "
                       "w/: perturbation selection; LaProx and StreamingLLM use none).", ""]
             lines += [comparisons[name] for name in sorted(comparisons)]
-        lines += tested_lines + savings_section(df, out, results.is_dir(), resamples, seed)
+        lines += tested_lines + (ablation_section(results, out, resamples, seed) if results.is_dir() else [])
+        lines += savings_section(df, out, results.is_dir(), resamples, seed)
     if results.is_dir():
         lines += needle_section(results, out) + ruler_section(results, out) + perturbation_section(results, out)
     if len(lines) == 2:

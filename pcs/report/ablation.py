@@ -1,0 +1,139 @@
+"""Which knob carries a selection's effect: each run of a knob ablation (``conf/ablation/``) against the runs it
+differs from in one respect, sample by sample.
+
+Runs that score the same samples with the same cache size (model, benchmark and setting, method, budget) form a
+group. In a group each run is a *reading*: its conventions (the method's changed knobs and profile, ``""`` for the
+default's) and its selection (the label with its changed knobs). A reading is compared with
+- ``w/o``: attention-only selection under the same conventions (the selection's effect);
+- ``paper knobs``: the perturbation selection with every knob at its default, same conventions (what the
+  reading's knobs change);
+- ``paper conventions``: the same selection under the default conventions (what the conventions change).
+Each difference is a paired stratified bootstrap (``significance``) on the mean over tasks: ``average`` and, for a
+benchmark scored per length (RULER), the mean at each length.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from ..config import default_option
+from .significance import RESAMPLES, SEED, identity, paired, paired_bootstrap, run_scores, strata_of
+
+ATTENTION = "attention"
+COMPARISONS = ("w/o", "paper knobs", "paper conventions")
+COLUMNS = ["model", "benchmark", "setting", "method", "budget", "conventions", "selection", "knobs", "score", "against",
+           "domain", "n", "delta", "ci_low", "ci_high", "half_width", "p_value", "run_dir", "baseline_run_dir"]
+
+
+@dataclass(frozen=True)
+class Reading:
+    run_dir: Path
+    group: tuple          # (model, benchmark, setting, method, budget)
+    conventions: str      # the method's changed knobs and profile, ", "-joined ("" for the default's)
+    selection: str        # the selection's label (name and changed knobs)
+    knobs: str            # the selection's changed knobs, ", "-joined
+
+    def baseline(self, against: str) -> tuple[str, str]:
+        """(conventions, selection) of the reading this one is compared with."""
+        return {"w/o": (self.conventions, ATTENTION),
+                "paper knobs": (self.conventions, default_option("selection")),
+                "paper conventions": ("", self.selection)}[against]
+
+
+def readings(run_dirs: list[Path]) -> dict[tuple, dict[tuple[str, str], Reading]]:
+    """Groups of runs with a selection: group -> (conventions, selection) -> reading."""
+    groups: dict[tuple, dict[tuple[str, str], Reading]] = {}
+    for run_dir in run_dirs:
+        run = identity(run_dir)
+        if not run.reads_selection:
+            continue
+        cfg = run.cfg
+        group = (cfg.model.name, cfg.benchmark.name, run.setting, cfg.method.name, cfg.budget)
+        conventions = ", ".join(run.method_knobs)
+        groups.setdefault(group, {})[(conventions, run.selection_label)] = Reading(
+            Path(run_dir), group, conventions, run.selection_label, ", ".join(run.knobs("selection")))
+    return groups
+
+
+def is_ablation(group: dict[tuple[str, str], Reading]) -> bool:
+    """A group with a reading beyond attention-only and the default perturbation selection under the default
+    conventions (the plain with/without comparison is the significance section's)."""
+    plain = {("", ATTENTION), ("", default_option("selection"))}
+    return bool(set(group) - plain)
+
+
+def mean_domains(table: pd.DataFrame) -> dict[str, list]:
+    """``average`` (every stratum) and, where there are several lengths or any, ``mean_<length>``."""
+    out = {"average": strata_of(table)}
+    lengths = sorted({n for n in table["length"] if n is not None and n == n})
+    for length in lengths:
+        out[f"mean_{int(length)}"] = strata_of(table, length=length)
+    return out
+
+
+def run_score(run_dir: Path) -> float:
+    return json.loads((Path(run_dir) / "metrics.json").read_text())["score"]
+
+
+def knob_effects(run_dirs: list[Path], resamples: int = RESAMPLES, seed: int = SEED) -> pd.DataFrame:
+    """One row per (reading, comparison, domain) of every ablation group, where the baseline reading exists."""
+    rows = []
+    scores: dict[Path, pd.DataFrame] = {}
+
+    def scored(path: Path) -> pd.DataFrame:
+        if path not in scores:
+            scores[path] = run_scores(path)
+        return scores[path]
+
+    for group, members in sorted(readings(run_dirs).items(), key=lambda kv: str(kv[0])):
+        if not is_ablation(members):
+            continue
+        model, benchmark, setting, method, budget = group
+        for key, reading in sorted(members.items()):
+            for against in COMPARISONS:
+                if reading.selection == ATTENTION and against != "paper conventions":
+                    continue      # attention-only selection is the w/o itself
+                base = members.get(reading.baseline(against))
+                if base is None or base is reading:
+                    continue
+                common = {"model": model, "benchmark": benchmark, "setting": setting, "method": method,
+                          "budget": budget, "conventions": reading.conventions, "selection": reading.selection,
+                          "knobs": reading.knobs,
+                          "score": run_score(reading.run_dir), "against": against,
+                          "run_dir": str(reading.run_dir), "baseline_run_dir": str(base.run_dir)}
+                table = paired([scored(base.run_dir), scored(reading.run_dir)])
+                difference = (table[1] - table[0]).to_numpy()
+                for domain, strata in mean_domains(table).items():
+                    interval = paired_bootstrap(difference, strata, resamples, seed)
+                    rows.append({**common, "domain": domain, **vars(interval),
+                                 "half_width": (interval.ci_high - interval.ci_low) / 2})
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def cell(rows: pd.DataFrame, against: str) -> str:
+    hit = rows[rows["against"] == against]
+    if hit.empty:
+        return "-"
+    r = hit.iloc[0]
+    star = "*" if r["ci_low"] > 0 or r["ci_high"] < 0 else ""
+    return f"{r['delta']:+.1f}{star} [{r['ci_low']:+.1f}, {r['ci_high']:+.1f}]"
+
+
+def markdown(effects: pd.DataFrame, domain: str = "average") -> list[str]:
+    """One table per (model, benchmark, setting): each reading's score and its three differences on ``domain``."""
+    lines = []
+    mine = effects[effects["domain"] == domain]
+    for (model, benchmark, setting), block in mine.groupby(["model", "benchmark", "setting"], sort=True):
+        lines += [f"### {model}, {benchmark}{', ' + setting if setting else ''}", "",
+                  "| method | budget | conventions | selection | score | n | vs w/o | vs paper knobs | "
+                  "vs paper conventions |", "|---|---:|---|---|---:|---:|---|---|---|"]
+        for (method, budget, conventions, selection), rows in block.groupby(
+                ["method", "budget", "conventions", "selection"], sort=True):
+            lines.append(f"| {method} | {budget} | {conventions or 'paper'} | {selection} | {rows['score'].iloc[0]:.1f} | "
+                         f"{int(rows['n'].iloc[0])} | {cell(rows, 'w/o')} | {cell(rows, 'paper knobs')} | "
+                         f"{cell(rows, 'paper conventions')} |")
+        lines.append("")
+    return lines

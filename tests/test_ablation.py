@@ -1,0 +1,163 @@
+"""The knob ablation's readings (conf/ablation/) and experiments: each reading composes the selection it names,
+single knobs carry the released code's values, and the ablation's baselines are the reference runs."""
+import json
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from pcs.config import compose
+from pcs.identity import RunIdentity
+
+from conftest import CONF
+
+READINGS = sorted(p.stem for p in (Path(CONF) / "ablation").glob("*.yaml"))
+SINGLE_KNOBS = ["alpha", "stage2_source", "epsilon", "gqa"]
+
+
+def selection_file(name: str) -> dict:
+    return OmegaConf.to_container(OmegaConf.load(Path(CONF) / "selection" / f"{name}.yaml"))
+
+
+# The perturbation selection's knobs, as its file declares them.
+SELECTION_KNOBS = [k for k in selection_file("perturbation") if k != "name" and not k.startswith("_")]
+
+
+def selection_of(*overrides) -> dict:
+    cfg = compose(list(overrides))
+    return {k: cfg.selection[k] for k in ["name", *SELECTION_KNOBS] if k in cfg.selection}
+
+
+def released() -> dict:
+    return selection_file("perturbation_released")
+
+
+def test_the_readings_are_the_documented_ones():
+    assert READINGS == sorted(["attention", "paper", *SINGLE_KNOBS, "released_knobs", "kvpress_attention",
+                               "kvpress_paper", "criticalkv"])
+    table = (Path(CONF) / "ablation" / "README.md").read_text()
+    assert all(f"| `{reading}` |" in table for reading in READINGS)
+
+
+@pytest.mark.parametrize("knob", SINGLE_KNOBS)
+def test_a_single_knob_reading_moves_that_knob_alone_to_the_released_value(knob):
+    paper, reading = selection_of("ablation=paper"), selection_of(f"ablation={knob}")
+    assert paper == selection_of()          # the paper's reading is the default selection
+    assert reading[knob] == released()[knob] != paper[knob]
+    assert {k: v for k, v in reading.items() if k != knob} == {k: v for k, v in paper.items() if k != knob}
+    # and under the paper's conventions
+    assert compose([f"ablation={knob}"]).profile == compose([]).profile
+
+
+def test_every_knob_where_the_released_code_differs_has_its_own_reading():
+    paper = selection_of()
+    differing = {k for k in SELECTION_KNOBS if released()[k] != paper[k]}
+    assert differing == set(SINGLE_KNOBS)
+
+
+def test_whole_readings_compose_what_the_options_they_name_compose():
+    same = [("ablation=attention", "selection=attention"),
+            ("ablation=released_knobs", "selection=perturbation_released"),
+            ("ablation=criticalkv", "preset=criticalkv"),
+            ("ablation=kvpress_attention", "preset=criticalkv", "selection=attention"),
+            ("ablation=kvpress_paper", "preset=criticalkv", "selection=perturbation")]
+    for reading, *options in same:
+        for method in ("snapkv", "adakv"):
+            a, b = compose([reading, f"method={method}"]), compose([*options, f"method={method}"])
+            assert RunIdentity(a).saved_data() == RunIdentity(b).saved_data(), reading
+    # the released code's conventions really change (not the paper's under another name)
+    assert compose(["ablation=kvpress_paper"]).profile.name == "kvpress"
+    assert compose(["ablation=kvpress_paper"]).method.window == 64
+
+
+@pytest.mark.parametrize("ablation, reference", [("ruler_ablation", "ruler_embedded"),
+                                                 ("ruler_ablation_question_after", "ruler_embedded_question_after")])
+def test_the_ablations_baselines_are_the_reference_runs(ablation, reference):
+    """The attention and paper readings land in the reference runs' folders (their answers are reused), and
+    every other reading pairs with an attention run of its own conventions."""
+    from test_sweeps import hydra_cfg
+    params = hydra_cfg(f"experiment={ablation}").hydra.sweeper.params
+    ref_params = hydra_cfg(f"experiment={reference}").hydra.sweeper.params
+    assert str(params.budget) == str(ref_params.budget)
+    readings = str(params.ablation).split(",")
+    assert sorted(readings) == READINGS
+    for method in str(params.method).split(","):
+        for budget in str(params.budget).split(","):
+            runs = {r: RunIdentity(compose([f"experiment={ablation}", f"method={method}", f"budget={budget}",
+                                             f"ablation={r}"])) for r in readings}
+            for reading, selection in (("attention", "attention"), ("paper", "perturbation")):
+                ref = RunIdentity(compose([f"experiment={reference}", f"method={method}", f"budget={budget}",
+                                           f"selection={selection}"]))
+                assert runs[reading].folder == ref.folder
+            assert len({run.folder for run in runs.values()}) == len(readings)
+            baselines = {run.pairing_key for r, run in runs.items() if run.selection_label == "attention"}
+            assert len(baselines) == 2      # the paper's conventions and the released code's
+            assert all(run.pairing_key in baselines for run in runs.values())
+
+
+# Per reading, a constant score per sample (so every interval is a point) and what each comparison must find.
+SCORES = {"attention": 40.0, "paper": 30.0, "alpha": 36.0, "kvpress_attention": 50.0, "kvpress_paper": 45.0,
+          "criticalkv": 58.0}
+EXPECTED = {   # reading -> {comparison: delta}
+    "paper": {"w/o": -10.0},
+    "alpha": {"w/o": -4.0, "paper knobs": 6.0},
+    "kvpress_attention": {"paper conventions": 10.0},
+    "kvpress_paper": {"w/o": -5.0, "paper conventions": 15.0},
+    "criticalkv": {"w/o": 8.0, "paper knobs": 13.0},      # its knobs' own paper-conventions reading is not run
+}
+
+
+def write_ruler_run(root, reading, extra=()):
+    from test_report import write_run
+    overrides = ["benchmark=ruler", "benchmark.tasks=[niah_single_1,niah_single_2]", "benchmark.lengths=[2048,4096]",
+                 "method=snapkv", "budget=256", f"ablation={reading}", *extra]
+    rows = [{"id": f"{task}_{length}_{i}", "score": SCORES[reading] + (10.0 if length == 4096 else 0.0),
+             "task": task, "length": length, "stratum": f"{task}_{length}"}
+            for task in ("niah_single_1", "niah_single_2") for length in (2048, 4096) for i in range(3)]
+    score = SCORES[reading]
+    lengths = {str(n): {"tasks": {"niah_single_1": score + extra, "niah_single_2": score + extra},
+                        "mean": score + extra} for n, extra in ((2048, 0.0), (4096, 10.0))}
+    folder = write_run(root, *overrides, metrics={"score": score + 5.0, "lengths": lengths,
+                                                  "domains": {f"mean_{n}": v["mean"] for n, v in lengths.items()}})
+    (folder / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_each_reading_is_compared_with_the_runs_it_differs_from_in_one_respect(tmp_path):
+    from pcs.report.ablation import knob_effects
+    root = tmp_path / "results"
+    for reading in SCORES:
+        write_ruler_run(root, reading)
+    for reading in ("attention", "paper"):     # a plain with/without group (another budget): not an ablation
+        write_ruler_run(root, reading, ["budget=512"])
+    effects = knob_effects(sorted(p.parent for p in root.rglob("metrics.json")), resamples=200)
+    assert set(effects["budget"]) == {256}
+    assert set(effects["domain"]) == {"average", "mean_2048", "mean_4096"}
+    average = effects[effects["domain"] == "average"]
+    labels = {"paper": "perturbation", "alpha": "perturbation_alpha=0.5"}
+    found = {}
+    for reading, comparisons in EXPECTED.items():
+        cfg = compose(["benchmark=ruler", "method=snapkv", f"ablation={reading}"])
+        run = RunIdentity(cfg)
+        mine = average[(average["selection"] == run.selection_label)
+                       & (average["conventions"] == ", ".join(run.method_knobs))]
+        found[reading] = {r["against"]: r["delta"] for _, r in mine.iterrows()}
+        assert all(mine["ci_low"] == mine["delta"]) and all(mine["half_width"] == 0)
+        assert labels.get(reading, run.selection_label) == run.selection_label
+    assert found == {r: pytest.approx(c) for r, c in EXPECTED.items()}
+    # every length sees the same differences (the 4096 offset is common to all runs)
+    per_length = effects[effects["domain"] == "mean_4096"].set_index(["selection", "conventions", "against"])["delta"]
+    assert per_length.to_dict() == average.set_index(["selection", "conventions", "against"])["delta"].to_dict()
+
+
+def test_the_report_has_a_knob_section_and_figure(tmp_path):
+    from pcs.report.__main__ import main
+    root = tmp_path / "results"
+    for reading in SCORES:
+        write_ruler_run(root, reading)
+    assert main(["--results", str(root), "--out", str(tmp_path / "report"), "--resamples", "200"]) == 0
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "## Selection knobs" in report and "![selection knobs](ablation.png)" in report
+    assert "| snapkv | 256 | paper | perturbation_alpha=0.5 | 41.0 | 12 | -4.0* [-4.0, -4.0] | +6.0* [+6.0, +6.0] | - |" \
+        in report
+    assert (tmp_path / "report" / "ablation.png").stat().st_size > 10_000
