@@ -22,10 +22,12 @@ from ..identity import RunIdentity
 from ..run_folder import load_config
 from ..plots.ablation import ablation_plot
 from ..plots.needle import needle_comparison, needle_heatmap
+from ..plots.needle_heads import needle_heads_figure
 from ..plots.ruler import score_by_length
 from ..plots.savings import savings_plot
 from .ablation import knob_effects, markdown as ablation_markdown
 from .collect import collect, paper_tables, run_folders
+from . import needle_heads
 from .savings import savings
 from .significance import RESAMPLES, SEED, savings_intervals, significance
 from .tables import write_method_comparisons, write_tables
@@ -72,6 +74,25 @@ def ruler_section(results: Path, out: Path) -> list[str]:
             lines += [f"![RULER {name}](ruler/{figure.name})", ""]
     return ["## RULER", "", "Mean over tasks against context length (tables by task group and length: "
             "`ruler_*` above)."] + [""] + lines if lines else []
+
+
+def needle_heads_section(results: Path, out: Path) -> list[str]:
+    """Each needle-heads analysis (``python -m pcs.needle_heads``) under the results: its table and figure."""
+    files = needle_heads.analyses(results)
+    if not files:
+        return []
+    lines = ["## Why the needle goes", "",
+             "Per (layer, KV head), the share of the needle's value tokens each run kept, and the query heads the full "
+             "cache reads the needle with while it answers (retrieval heads: the 10 with the highest mean attention on "
+             "the value over the samples it answers right).", ""]
+    for path in files:
+        analysis = needle_heads.load(path)
+        name = str(path.relative_to(results).with_suffix("")).replace("/", "__")
+        lines += needle_heads.markdown(analysis, name)
+        figure = needle_heads_figure(analysis, out / "needle_heads" / f"{name}.png", name)
+        if figure is not None:
+            lines += [f"![{name}](needle_heads/{figure.name})", ""]
+    return lines
 
 
 def perturbation_section(results: Path, out: Path) -> list[str]:
@@ -178,7 +199,8 @@ def build(results: Path, out: Path, with_paper: bool = False, resamples: int = R
         lines += tested_lines + (ablation_section(results, out, resamples, seed) if results.is_dir() else [])
         lines += savings_section(df, out, results.is_dir(), resamples, seed)
     if results.is_dir():
-        lines += needle_section(results, out) + ruler_section(results, out) + perturbation_section(results, out)
+        lines += needle_section(results, out) + ruler_section(results, out) + needle_heads_section(results, out)
+        lines += perturbation_section(results, out)
     if len(lines) == 2:
         raise FileNotFoundError(f"nothing to report under {results}")
     index = out / "report.md"

@@ -1,0 +1,51 @@
+"""Where the needle went: the full cache's retrieval heads (attention on the needle's value while it answers) beside
+what each run kept of the needle per (layer, KV head), the retrieval heads' KV heads outlined."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from ..report.needle_heads import mean_kept, mean_retrieval, top_heads  # noqa: E402
+
+
+def needle_heads_figure(analysis: dict, path: Path, title: str) -> Path | None:
+    retrieval = mean_retrieval(analysis)
+    if retrieval.size == 0:
+        return None
+    runs = analysis["runs"]
+    heads = top_heads(analysis)
+    n_q = analysis["n_query_heads"]
+    fig, axes = plt.subplots(1, 1 + len(runs), figsize=(2.2 + 2.0 * (1 + len(runs)), 0.16 * retrieval.shape[0] + 2.4),
+                             squeeze=False)
+    ax = axes[0][0]
+    image = ax.imshow(retrieval, aspect="auto", cmap="magma", vmin=0, interpolation="nearest")
+    for layer, head in heads:
+        ax.add_patch(Rectangle((head - 0.5, layer - 0.5), 1, 1, fill=False, edgecolor="cyan", lw=1.2))
+    ax.set_title("full cache: attention\non the needle (mean)", fontsize=8)
+    ax.set_xlabel("query head", fontsize=7)
+    ax.set_ylabel("layer", fontsize=7)
+    fig.colorbar(image, ax=ax, fraction=0.08)
+    for ax, run in zip(axes[0][1:], runs):
+        kept = mean_kept(analysis, run)
+        image = ax.imshow(kept, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
+        group = n_q // kept.shape[1] if kept.shape[1] else 1
+        for layer, head in heads:
+            ax.add_patch(Rectangle((head // group - 0.5, layer - 0.5), 1, 1, fill=False, edgecolor="red", lw=1.2))
+        ax.set_title(f"{analysis['labels'][run]}\nneedle kept (share)".replace("_lengths", "\nlengths")[:90], fontsize=6)
+        ax.set_xlabel("KV head", fontsize=7)
+        ax.set_yticks([])
+    for ax in axes[0]:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.colorbar(image, ax=list(axes[0][1:]), fraction=0.04)
+    fig.suptitle(title, fontsize=9, y=1.06)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130, bbox_inches="tight")
+    plt.close(fig)
+    return path
