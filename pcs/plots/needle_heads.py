@@ -11,17 +11,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from ..report.needle_heads import mean_kept, mean_retrieval, top_heads  # noqa: E402
+import numpy as np  # noqa: E402
 
 
-def needle_heads_figure(analysis: dict, path: Path, title: str) -> Path | None:
-    retrieval = mean_retrieval(analysis)
+def needle_heads_figure(retrieval: np.ndarray, kept: dict[str, np.ndarray], heads: list[tuple[int, int]],
+                        path: Path, title: str) -> Path | None:
+    """``retrieval`` (layers, query heads): the full cache's mean attention on the needle; ``kept``: per run label,
+    (layers, KV heads) the mean share of the needle kept; ``heads``: the retrieval heads (layer, query head)."""
     if retrieval.size == 0:
         return None
-    runs = analysis["runs"]
-    heads = top_heads(analysis)
-    n_q = analysis["n_query_heads"]
-    fig, axes = plt.subplots(1, 1 + len(runs), figsize=(2.2 + 2.0 * (1 + len(runs)), 0.16 * retrieval.shape[0] + 2.4),
+    n_q = retrieval.shape[1]
+    fig, axes = plt.subplots(1, 1 + len(kept), figsize=(2.2 + 2.0 * (1 + len(kept)), 0.16 * retrieval.shape[0] + 2.4),
                              squeeze=False)
     ax = axes[0][0]
     image = ax.imshow(retrieval, aspect="auto", cmap="magma", vmin=0, interpolation="nearest")
@@ -31,13 +31,12 @@ def needle_heads_figure(analysis: dict, path: Path, title: str) -> Path | None:
     ax.set_xlabel("query head", fontsize=7)
     ax.set_ylabel("layer", fontsize=7)
     fig.colorbar(image, ax=ax, fraction=0.08)
-    for ax, run in zip(axes[0][1:], runs):
-        kept = mean_kept(analysis, run)
-        image = ax.imshow(kept, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
-        group = n_q // kept.shape[1] if kept.shape[1] else 1
+    for ax, (label, grid) in zip(axes[0][1:], kept.items()):
+        image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
+        group = n_q // grid.shape[1] if grid.shape[1] else 1
         for layer, head in heads:
             ax.add_patch(Rectangle((head // group - 0.5, layer - 0.5), 1, 1, fill=False, edgecolor="red", lw=1.2))
-        ax.set_title(f"{analysis['labels'][run]}\nneedle kept (share)".replace("_lengths", "\nlengths")[:90], fontsize=6)
+        ax.set_title(f"{label}\nneedle kept (share)".replace("_lengths", "\nlengths")[:90], fontsize=6)
         ax.set_xlabel("KV head", fontsize=7)
         ax.set_yticks([])
     for ax in axes[0]:

@@ -89,7 +89,9 @@ def needle_heads_section(results: Path, out: Path) -> list[str]:
         analysis = needle_heads.load(path)
         name = str(path.relative_to(results).with_suffix("")).replace("/", "__")
         lines += needle_heads.markdown(analysis, name)
-        figure = needle_heads_figure(analysis, out / "needle_heads" / f"{name}.png", name)
+        kept = {analysis["labels"][run]: needle_heads.mean_kept(analysis, run) for run in analysis["runs"]}
+        figure = needle_heads_figure(needle_heads.mean_retrieval(analysis), kept, needle_heads.top_heads(analysis),
+                                     out / "needle_heads" / f"{name}.png", name)
         if figure is not None:
             lines += [f"![{name}](needle_heads/{figure.name})", ""]
     return lines
