@@ -165,3 +165,17 @@ def test_ruler_tables_by_group_and_length_with_stars_and_a_length_plot(tmp_path)
     assert tested.loc["multi_hop_tracing_1024", "delta"] == 0.0
     assert (out / "ruler" / "smollm2_lengths=1024+2048_n_samples=20_tasks=niah_single_1+vt+cwe.png").read_bytes()[:8] == PNG
     assert "## RULER" in (out / "report.md").read_text()
+    # the figures' intervals: each run's mean per length with a within-task bootstrap interval around it
+    from pcs.plots.ruler import ruler_figure
+    from pcs.report.ruler import length_deltas, score_intervals
+    scores = score_intervals(list(runs.values()), resamples=500).set_index(["selection", "length"])
+    assert scores.loc[("none", 2048), "score"] == pytest.approx(90.0)
+    assert scores.loc[("attention", 2048), "score"] == pytest.approx(50 / 3)
+    assert scores.loc[("perturbation", 1024), "score"] == pytest.approx((70 + 20 + 100) / 3)
+    assert (scores["ci_low"] <= scores["score"]).all() and (scores["score"] <= scores["ci_high"]).all()
+    assert scores.loc[("attention", 1024), "ci_low"] < scores.loc[("attention", 1024), "ci_high"]
+    deltas = length_deltas(tested.reset_index())
+    assert deltas.set_index("length").loc[2048, "delta"] == pytest.approx(50.0)
+    one_length = score_intervals(list(runs.values()), resamples=500)
+    one_length = one_length[one_length["length"] == 2048]
+    assert ruler_figure(one_length, deltas, tmp_path / "bars.png", "one length").read_bytes()[:8] == PNG

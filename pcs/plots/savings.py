@@ -2,6 +2,7 @@
 the savings as arrows and their bootstrap intervals as bars."""
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -17,7 +18,9 @@ def savings_plot(df: pd.DataFrame, saved: pd.DataFrame, path: Path) -> Path:
     """One panel per report table (benchmark, method and setting: runs that differ only in selection and
     budget): average score vs budget, both selections per model, savings as arrows."""
     avg = df[(df["domain"] == "average") & df["budget"].notna() & df["selection"].isin(list(STYLE))]
-    tables = list(dict.fromkeys(avg["table"]))
+    full = df[(df["domain"] == "average") & df["budget"].isna()]
+    # a curve needs two budgets: a table measured at one has no savings to draw
+    tables = [t for t in dict.fromkeys(avg["table"]) if avg[avg["table"] == t]["budget"].nunique() >= 2]
     columns = min(len(tables), 3)
     rows = -(-len(tables) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 4.2 * rows), squeeze=False)
@@ -38,11 +41,18 @@ def savings_plot(df: pd.DataFrame, saved: pd.DataFrame, path: Path) -> Path:
                 eq = row["equivalent_budget"]
                 ax.errorbar([eq], [row["score"]], xerr=[[max(0.0, eq - low)], [max(0.0, high - eq)]], fmt="none",
                             ecolor=colours[row["model"]], capsize=3, lw=1)
+        for model, row in full[full["table"] == table].drop_duplicates("model").set_index("model").iterrows():
+            ax.axhline(row["score"], color=colours.get(model, "black"), linestyle=":", lw=1,
+                       label=f"{model}, full cache")
         share = bool((mine["budget"] < 1).all())
         ax.set_xscale("log", base=2)
+        budgets = sorted(mine["budget"].unique())
+        ax.set_xticks(budgets)
+        ax.set_xticklabels([f"{b:g}" for b in budgets])
+        ax.minorticks_off()
         ax.set_xlabel("budget (share of each prompt)" if share else "budget (entries per KV head)")
         ax.set_ylabel("average score")
-        ax.set_title(table, fontsize=9)
+        ax.set_title("\n".join(textwrap.wrap(table, 52)), fontsize=8)
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(tables):]:
         ax.set_visible(False)

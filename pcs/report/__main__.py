@@ -23,11 +23,12 @@ from ..run_folder import load_config
 from ..plots.ablation import ablation_plot
 from ..plots.needle import needle_comparison, needle_heatmap
 from ..plots.needle_heads import needle_heads_figure
-from ..plots.ruler import score_by_length
+from ..plots.ruler import ruler_figure
 from ..plots.savings import savings_plot
 from .ablation import knob_effects, markdown as ablation_markdown
 from .collect import collect, paper_tables, run_folders
 from . import needle_heads
+from .ruler import length_deltas, plain, score_intervals
 from .savings import savings
 from .significance import RESAMPLES, SEED, savings_intervals, significance
 from .tables import write_method_comparisons, write_tables
@@ -58,22 +59,23 @@ def needle_section(results: Path, out: Path) -> list[str]:
     return lines
 
 
-def ruler_section(results: Path, out: Path) -> list[str]:
-    """Score against length per method and selection, one figure per model and setting (the tables by task
-    group and length are among the tables)."""
-    runs = run_folders(results, "ruler")
-    settings: dict[tuple[str, str], list[Path]] = {}
-    for run_dir in runs:
-        run = RunIdentity(load_config(run_dir))
-        settings.setdefault((run.cfg.model.name, run.setting), []).append(run_dir)
+def ruler_section(results: Path, out: Path, tested, resamples: int, seed: int) -> list[str]:
+    """Per model and setting, the plain comparison's scores with intervals (bars at one length, score against length
+    at several; the knob ablation's other readings have their own figure)."""
+    runs = [r for r in run_folders(results, "ruler") if plain(r)]
+    if not runs:
+        return []
+    scores = score_intervals(runs, resamples, seed)
+    deltas = length_deltas(tested)
     lines = []
-    for (model, setting), members in sorted(settings.items()):
+    for (model, setting), block in scores.groupby(["model", "setting"], sort=True):
         name = "_".join(filter(None, [model, setting]))
-        figure = score_by_length(members, out / "ruler" / f"{name}.png", f"RULER, {model} {setting}".strip())
+        figure = ruler_figure(block, deltas, out / "ruler" / f"{name}.png", f"RULER, {model} {setting}".strip())
         if figure is not None:
             lines += [f"![RULER {name}](ruler/{figure.name})", ""]
-    return ["## RULER", "", "Mean over tasks against context length (tables by task group and length: "
-            "`ruler_*` above)."] + [""] + lines if lines else []
+    return ["## RULER", "", "Mean over tasks with its 95 % bootstrap interval (samples resampled within tasks); above "
+            "each perturbation bar, its paired difference to attention-only selection [95 % interval] (tables by "
+            "task group and length: `ruler_*` above)."] + [""] + lines if lines else []
 
 
 def needle_heads_section(results: Path, out: Path) -> list[str]:
@@ -201,7 +203,8 @@ def build(results: Path, out: Path, with_paper: bool = False, resamples: int = R
         lines += tested_lines + (ablation_section(results, out, resamples, seed) if results.is_dir() else [])
         lines += savings_section(df, out, results.is_dir(), resamples, seed)
     if results.is_dir():
-        lines += needle_section(results, out) + ruler_section(results, out) + needle_heads_section(results, out)
+        lines += needle_section(results, out) + ruler_section(results, out, tested, resamples, seed)
+        lines += needle_heads_section(results, out)
         lines += perturbation_section(results, out)
     if len(lines) == 2:
         raise FileNotFoundError(f"nothing to report under {results}")
