@@ -3,6 +3,7 @@ a group of runs that share their prefills), score, summarise. The only module th
 config -> model + method -> samples -> step (generate or measure) -> predictions -> metrics."""
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from contextlib import ExitStack, contextmanager
@@ -108,6 +109,16 @@ def run_cells(cfgs: list[DictConfig], shard: tuple[int, int] = (0, 1)) -> list[d
     return [results[i] for i in range(len(cells))]
 
 
+def interleaved(samples: list) -> list:
+    """The order samples are answered in: one of each stratum (RULER's task and length, LongBench's task) in turn,
+    each stratum's in its own order, so that a long run stopped part way holds the first samples of every task
+    alike. Each run's predictions are put back in sample order when it is summarised."""
+    strata: dict[str, list] = {}
+    for sample in samples:
+        strata.setdefault(str(sample.meta.get("stratum", sample.meta.get("task", ""))), []).append(sample)
+    return [s for turn in itertools.zip_longest(*strata.values()) for s in turn if s is not None]
+
+
 def finished(run_dir: Path) -> dict:
     metrics = json.loads((run_dir / "metrics.json").read_text())
     print(f"[pcs] already finished: {run_dir} (score {score_text(metrics['score'])}); nothing to do")
@@ -128,7 +139,7 @@ def execute(cells: list[Cell], shard: tuple[int, int] = (0, 1)) -> list[dict | N
     model, tokenizer = load_model(first.cfg.model)
     stops = stop_token_ids(model, tokenizer, first.cfg.model.stop_tokens)
     samples = first.benchmark.samples(tokenizer)
-    mine = [sample for i, sample in enumerate(samples) if in_shard(i, *shard)]
+    mine = interleaved([sample for i, sample in enumerate(samples) if in_shard(i, *shard)])
     engine = first.cfg.get("engine") or {}
     pool = open_pool(model, engine.get("pool"), engine.get("cuda_graphs", True))
     asked: dict[str, list[Cell]] = {}

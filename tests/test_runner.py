@@ -168,3 +168,14 @@ def test_resuming_puts_every_done_row_on_disk_before_the_first_new_one(tmp_path)
         assert on_disk == rows and cell.done == {r["id"] for r in rows}
         out.write(json.dumps({"id": "s60"}) + "\n")
     assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == [f"s{i}" for i in range(61)]
+
+
+def test_samples_are_answered_one_task_at_a_time_in_turn():
+    """A run stopped part way holds the first samples of every task alike (RULER lists a task's samples together)."""
+    from pcs.benchmarks.base import Sample
+    from pcs.runner import interleaved
+    samples = [Sample(f"{task}{i}", "", 1, meta={"task": task, "stratum": f"{task}_1024"})
+               for task, n in (("a", 3), ("b", 2), ("c", 1)) for i in range(n)]
+    assert [s.id for s in interleaved(samples)] == ["a0", "b0", "c0", "a1", "b1", "a2"]
+    longbench = [Sample(f"{task}{i}", "", 1, meta={"task": task}) for task in "xy" for i in range(2)]
+    assert [s.id for s in interleaved(longbench)] == ["x0", "y0", "x1", "y1"]
