@@ -30,13 +30,13 @@ def needle_heads_figure(retrieval: np.ndarray, kept: dict[str, np.ndarray], head
     ax.set_title("full cache: attention\non the needle (mean)", fontsize=8)
     ax.set_xlabel("query head", fontsize=7)
     ax.set_ylabel("layer", fontsize=7)
-    fig.colorbar(image, ax=ax, fraction=0.08)
+    fig.colorbar(image, ax=ax, location="bottom", fraction=0.05, pad=0.08)
     for ax, (label, grid) in zip(axes[0][1:], kept.items()):
         image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
         group = n_q // grid.shape[1] if grid.shape[1] else 1
         for layer, head in heads:
             ax.add_patch(Rectangle((head // group - 0.5, layer - 0.5), 1, 1, fill=False, edgecolor="red", lw=1.2))
-        ax.set_title(f"{label}\nneedle kept (share)".replace("_lengths", "\nlengths")[:90], fontsize=6)
+        ax.set_title(f"{label.split('_lengths')[0]}\nneedle kept (share)", fontsize=8)
         ax.set_xlabel("KV head", fontsize=7)
         ax.set_yticks([])
     for ax in axes[0]:
