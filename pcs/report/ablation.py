@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..benchmarks.ruler_data import domain_name
 from ..config import default_option
 from .significance import RESAMPLES, SEED, identity, paired, paired_bootstrap, run_scores, strata_of
 
@@ -66,11 +67,11 @@ def is_ablation(group: dict[tuple[str, str], Reading]) -> bool:
 
 
 def mean_domains(table: pd.DataFrame) -> dict[str, list]:
-    """``average`` (every stratum) and, where there are several lengths or any, ``mean_<length>``."""
+    """``average`` (every stratum) and, for a benchmark scored per length, each length's mean (RULER's name)."""
     out = {"average": strata_of(table)}
     lengths = sorted({n for n in table["length"] if n is not None and n == n})
     for length in lengths:
-        out[f"mean_{int(length)}"] = strata_of(table, length=length)
+        out[domain_name("mean", int(length))] = strata_of(table, length=length)
     return out
 
 
