@@ -17,6 +17,7 @@ import torch
 
 from .cache import CompressedCache
 from .eviction.base import LayerState, Method
+from .eviction.scores import SharedScores
 from .hybrid import full_attention_layers
 
 
@@ -76,11 +77,12 @@ def compressed_layers(cache: CompressedCache) -> tuple[int, ...]:
 
 
 @contextmanager
-def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer, on_sliding=None):
+def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer, on_sliding=None, shared=False):
     """While active, ``on_layer(queries, state, cache_layer)`` runs right after each full-attention module's
     multi-token forward, with the layer's full keys and values (``state``, whose ``window_queries`` are the
     longest window's) and ``queries[w]``, its last ``w`` queries for each ``w`` of ``windows``. Each window's
-    queries are computed on their own, as a lone prefill with that window would. After a sliding-window
+    queries are computed on their own, as a lone prefill with that window would. ``shared``: the state carries
+    a ``SharedScores`` for the methods that all compress the layer (a group of runs). After a sliding-window
     layer's forward, ``on_sliding(layer_idx, cache_layer)`` runs instead (None: the layer stays as it is)."""
     modules = attention_modules(model)
     compressed = compressed_layers(cache)
@@ -98,7 +100,8 @@ def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer, o
         queries = {w: window_queries(module, hidden, kwargs["position_embeddings"], w) if w else keys.new_empty(0)
                    for w in windows}
         state = LayerState(module.layer_idx, len(modules), keys, values, queries[max(windows, default=0)],
-                           module.o_proj.weight, compressed=compressed)
+                           module.o_proj.weight, compressed=compressed,
+                           shared=SharedScores(values, module.o_proj.weight) if shared else None)
         on_layer(queries, state, layer)
 
     with hooked(modules, hook):
@@ -186,7 +189,8 @@ def compress_each_after_prefill(model, methods: list[Method], caches: list[Compr
                 own.take(layer)
             own.settle()
 
-    with after_prefill(model, prefill, sorted({m.window for m in methods}), compress, keep_window):
+    with after_prefill(model, prefill, sorted({m.window for m in methods}), compress, keep_window,
+                       shared=len(methods) > 1):
         yield cells
     for cell, choice in zip(cells, choices):
         if cell.method.model_wide:

@@ -63,7 +63,7 @@ def run_prefill(model, input_ids: torch.Tensor, methods: dict, two_stage: Method
 
     cache = CompressedCache.of(model.config)
     device = next(model.parameters()).device
-    with after_prefill(model, cache, windows, on_layer):
+    with after_prefill(model, cache, windows, on_layer, shared=len(methods) > 1):
         logits = model(input_ids=input_ids.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     dense = [layer.dense() for layer in cache.layers]
     kept = {key: choice.finish() for key, choice in choices.items()}

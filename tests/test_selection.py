@@ -1,5 +1,6 @@
 """Selection against a brute-force transcription of the paper's Algorithms 1 and 2; the bounded stage 2 against
 the exhaustive one; the host reads of a layer's compression."""
+import dataclasses
 import functools
 import math
 
@@ -12,7 +13,8 @@ from pcs.eviction.adakv import AdaKV
 from pcs.eviction.base import LayerState
 from pcs.eviction.snapkv import SnapKV
 from pcs.eviction.conventions import Conventions
-from pcs.eviction.scores import group_weights, norm_tile, projected_value_norms, top_eigenvalue_bound
+from pcs.eviction.scores import SharedScores, group_weights, norm_tile, projected_value_norms, \
+    top_eigenvalue_bound
 from pcs.eviction.selection import AttentionSelection, PerturbationSelection, Stage2, WindowScores
 
 from conftest import compose_cfg
@@ -259,7 +261,9 @@ def test_value_norms_need_no_more_memory_than_one_layers_keys_and_values():
     budgets = [96] * n_kv
     selection = PerturbationSelection()
     weights = group_weights(weight, slice(0, group), d)
-    for compute in (lambda: projected_value_norms(values[0], weights, group, norm_tile(values, group, hidden)),
+    tile = norm_tile(n_kv, m, d, group, hidden, values.dtype)
+    for compute in (lambda: projected_value_norms(values[0], weights, group, tile),
+                    lambda: SharedScores(values, weight).value_norms(group),
                     lambda: selection.select(budgets, ws),
                     lambda: selection.select(budgets, ws, exhaustive=True)):
         assert 0 < peak_allocated_bytes(compute) <= layer_kv_bytes
@@ -296,15 +300,20 @@ def test_every_method_profile_and_gqa_mode_keeps_what_exhaustive_stage2_keeps(pr
     recompression gives them: the bounded stage 2 keeps exactly the exhaustive one's entries."""
     # The sharper the attention, the fewer entries the bounds leave after the first round.
     layers = [long_layer(1), long_layer(2, pad=torch.tensor([0, 137])), long_layer(5, sharpness=6.0)]
+    # As a group of runs sharing a prefill sees them: one SharedScores per layer for every method (padded heads,
+    # decoding-time recompression, never share).
+    in_a_group = [dataclasses.replace(layer, shared=SharedScores(layer.values, layer.o_proj_weight))
+                  for layer in layers]
     works = []
     for method in every_method(profile, gqa):
-        for layer in layers:
+        for layer, grouped in zip(layers, in_a_group):
             fast = method.keep(layer)
             exhaustive = functools.partial(type(method.selection).select, method.selection, exhaustive=True)
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(method.selection, "select", exhaustive)
                 plain = method.keep(layer)
             assert [f.tolist() for f in fast] == [p.tolist() for p in plain], (profile, gqa, method)
+            assert [f.tolist() for f in fast] == [g.tolist() for g in method.keep(grouped)], (profile, gqa, method)
         works.append(method.selection.work)
     # Both of stage 2's paths ran: heads the first round settled, and heads that needed the second.
     assert 0 < sum(w.widened for w in works) < sum(w.heads for w in works)

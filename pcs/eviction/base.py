@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from .. import budget
+from .scores import SharedScores
 
 # Per layer: None (the layer is kept whole) or one ascending LongTensor of kept positions per KV head.
 Kept = Optional[list[torch.Tensor]]
@@ -30,6 +31,7 @@ class LayerState:
     pad: torch.Tensor | None = None   # (H_kv,) leading padding entries per head (decode-time recompression)
     compressed: tuple[int, ...] | None = None   # the model's layers methods choose in (None: all of them; a
                                                 # hybrid model's sliding-window layers keep their window)
+    shared: SharedScores | None = None   # scores computed once for every run sharing this prefill
 
     def seen_by(self, window_queries: torch.Tensor) -> LayerState:
         """The same layer as a method with another observation window sees it (its own last queries)."""

@@ -132,11 +132,16 @@ def group_weights(o_proj_weight: torch.Tensor, heads: slice, d: int) -> torch.Te
     return w.permute(2, 1, 0).reshape(d, -1)
 
 
-def norm_tile(values: torch.Tensor, group: int, hidden: int) -> int:
-    """Rows per product of ``projected_value_norms`` for one layer's (H_kv, m, d) prefix values: the
-    (rows, group * hidden) product and its float32 copy take at most half of the values' bytes, so the
-    temporaries stay within one layer's keys and values."""
-    return rows_per_chunk(values.nbytes // 2, group * hidden, values.dtype)
+def norm_tile(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.dtype) -> int:
+    """Rows per product of ``projected_value_norms`` for a layer of ``n`` entries, its values held as ``rows``
+    rows of (n, d): about n / 32 (a power of two, at least 32), and at most what keeps the (tile, group * hidden)
+    product and its float32 copy within half of those values' bytes, so the temporaries stay within one layer's
+    keys and values. It follows the layer's shape alone: every method that scores the layer (alone or sharing a
+    prefill, every entry or the bounded stage 2's few) computes an entry's norm in the same product, the same
+    bits."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    most = rows_per_chunk(rows * n * d * itemsize // 2, group * hidden, dtype)
+    return min(most, max(32, 1 << max(0, n // 32 - 1).bit_length()))
 
 
 def projected_value_norms(rows: torch.Tensor, weights: torch.Tensor, group: int, tile: int) -> torch.Tensor:
@@ -156,3 +161,37 @@ def projected_value_norms(rows: torch.Tensor, weights: torch.Tensor, group: int,
         # One unnamed (tile, group * hidden) product at a time: a named one would live on beside the next.
         norms[start:start + tile] = (padded[start:start + tile] @ weights).float().abs_().view(tile, group, -1).sum(-1)
     return norms[:r].T
+
+
+class SharedScores:
+    """One layer's scores that every method compressing it from the same prefill would compute alike, computed
+    once, for the first method that asks: the observation window's mean attention (per window) and stage 2's
+    ``||v_i W^O_h||_1`` for every entry (per number of query heads scored together: a KV head's group, or one
+    under ``gqa=per_query_head``). A group of runs sharing a prefill gets one per layer (``pcs.compression``);
+    a run alone has none, and its stage 2 computes only the norms its bounds cannot rule out. Both give the same
+    bits: the norms come from products of ``norm_tile``'s size, which follows the layer's shape alone."""
+
+    def __init__(self, values: torch.Tensor, o_proj_weight: torch.Tensor):
+        self.values, self.o_proj_weight = values, o_proj_weight     # (H_kv, n, d), (hidden, H_q * d)
+        self._window_means: dict[int, torch.Tensor] = {}
+        self._norms: dict[int, torch.Tensor] = {}
+
+    def window_mean(self, window: int, compute) -> torch.Tensor:
+        """(H_q, n - window) mean attention of the last ``window`` queries: ``compute()`` the first time."""
+        if window not in self._window_means:
+            self._window_means[window] = compute()
+        return self._window_means[window]
+
+    def value_norms(self, group: int) -> torch.Tensor:
+        """(H_q, n) float32 ``||v_i W^O_h||_1`` of every entry, query heads scored ``group`` at a time."""
+        if group not in self._norms:
+            n_kv, n, d = self.values.shape
+            hidden, n_q = self.o_proj_weight.shape[0], self.o_proj_weight.shape[1] // d
+            rows, per_kv_head = n_q // group, n_q // n_kv
+            tile = norm_tile(rows, n, d, group, hidden, self.values.dtype)
+            self._norms[group] = torch.cat([
+                projected_value_norms(self.values[r * group // per_kv_head],
+                                      group_weights(self.o_proj_weight, slice(r * group, (r + 1) * group), d),
+                                      group, tile)
+                for r in range(rows)])
+        return self._norms[group]

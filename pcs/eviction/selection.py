@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from .conventions import PAPER, Conventions
-from .scores import group_weights, norm_tile, output_projection, projected_value_norms, quadratic_forms
+from .scores import SharedScores, group_weights, norm_tile, output_projection, projected_value_norms, \
+    quadratic_forms
 
 
 @dataclass
@@ -31,6 +32,7 @@ class WindowScores:
     window: int = 0                     # the observation window, kept on top of the prefix budgets
     protected: int = 0                  # prefix entries the allocation guarantees each head (kept in stage 1)
     conventions: Conventions = PAPER    # stage-1 size and tie rule (pcs/conf/profile/)
+    shared: SharedScores | None = None  # the layer's scores computed once for the runs sharing its prefill
 
 
 @dataclass
@@ -102,7 +104,8 @@ class PerturbationSelection:
         if ws.valid is not None:
             excluded |= ~ws.valid
         stage2 = Stage2(self, ws, excluded, counts)
-        scores = stage2.exhaustive() if exhaustive else stage2.bounded(self.work)
+        # Norms shared by the runs of a prefill are computed for every entry anyway: no bound can save work.
+        scores = stage2.exhaustive() if exhaustive or stage2.shared_norms is not None else stage2.bounded(self.work)
         return [torch.cat([first, ws.conventions.top(scores[h], k)]).sort().values
                 for h, (first, k) in enumerate(zip(firsts, counts))]
 
@@ -134,13 +137,6 @@ def first_candidates(k: int) -> int:
     return k + max(k // 8, 32)
 
 
-def norms_per_product(k: int, most: int) -> int:
-    """Entries per product of the exact norms when rows choose ``k`` entries: about k / 4 (a power of two, at
-    least 32), at most ``most`` (the memory's limit). Every product is that size, the last one padded, so smaller
-    products waste less on the few entries a round may leave; larger ones run faster per entry."""
-    return min(most, max(32, 1 << max(0, k // 4 - 1).bit_length()))
-
-
 class Stage2:
     """Stage 2 of one layer: ``A x ||v W^O_h||_1`` per KV head, over the entries stage 1 left
     (``excluded``: stage 1's picks and padding, scored minus infinity), ``counts[r]`` entries for row r. One row
@@ -154,16 +150,23 @@ class Stage2:
         d = ws.prefix_values.shape[-1]
         self.hidden = ws.o_proj_weight.shape[0]
         self.attention = selection.stage2_attention(ws).view(self.rows, self.group, self.m)
-        # The same for the exhaustive and the bounded path: an entry's exact score is the same bits in both.
-        self.tile = norms_per_product(max(counts), norm_tile(ws.prefix_values, self.group, self.hidden))
+        # The same for the exhaustive and the bounded path, alone or shared: an entry's exact score is the same
+        # bits in all.
+        self.tile = norm_tile(self.rows, self.m + ws.window, d, self.group, self.hidden, ws.prefix_values.dtype)
+        self.shared_norms = None if ws.shared is None else \
+            ws.shared.value_norms(self.group)[:, :self.m].view(self.rows, self.group, self.m)
         self.slack = (1 + torch.finfo(ws.prefix_values.dtype).eps) * (1 + ROUNDING)
 
     def exact(self, r: int, idx: torch.Tensor | None = None) -> torch.Tensor:
         """Row ``r``'s stage-2 scores of entries ``idx`` (all by default)."""
-        values = self.ws.prefix_values[r] if idx is None else self.ws.prefix_values[r][idx]
         attention = self.attention[r] if idx is None else self.attention[r][:, idx]
-        weights = group_weights(self.ws.o_proj_weight, self.heads(r), values.shape[-1])   # (d, group * hidden)
-        return self.selection.combine(attention, projected_value_norms(values, weights, self.group, self.tile))
+        if self.shared_norms is not None:
+            norms = self.shared_norms[r] if idx is None else self.shared_norms[r][:, idx]
+        else:
+            values = self.ws.prefix_values[r] if idx is None else self.ws.prefix_values[r][idx]
+            weights = group_weights(self.ws.o_proj_weight, self.heads(r), values.shape[-1])  # (d, group * hidden)
+            norms = projected_value_norms(values, weights, self.group, self.tile)
+        return self.selection.combine(attention, norms)
 
     def heads(self, r: int) -> slice:
         return slice(r * self.group, (r + 1) * self.group)

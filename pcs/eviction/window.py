@@ -52,8 +52,12 @@ class WindowEviction(Method):
             return None
         m = n - w
         valid = layer.valid_entries()
-        attn = window_attention(layer.window_queries, layer.keys, valid)  # (H_q, w, n)
-        mean = attn[:, :, :m].mean(dim=1)                                # (H_q, m)
+        shared = layer.shared if valid is None else None
+
+        def window_mean():
+            attn = window_attention(layer.window_queries, layer.keys, valid)  # (H_q, w, n)
+            return attn[:, :, :m].mean(dim=1)                                # (H_q, m)
+        mean = window_mean() if shared is None else shared.window_mean(w, window_mean)
         zeros = self.conventions.avg_pool_padding == "zeros"
         pooled = pool_scores(mean, self.kernel, self.pooling, zeros)
         n_kv_heads, values = layer.keys.shape[0], layer.values[:, :m]
@@ -66,7 +70,7 @@ class WindowEviction(Method):
         else:
             stage1 = group_mean(pooled, n_kv_heads)
         ws = WindowScores(mean, pooled, stage1, values, layer.o_proj_weight, window=w, protected=self.protected(),
-                          conventions=self.conventions)
+                          conventions=self.conventions, shared=shared)
         if valid is not None:
             ws.valid = valid[:, :m]
             ws.stage1 = ws.stage1.masked_fill(~ws.valid, float("-inf"))
