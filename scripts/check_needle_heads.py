@@ -1,0 +1,139 @@
+"""Reproduce part of a ``python -m pcs.needle_heads`` file from first principles, on a few of its samples.
+
+    python scripts/check_needle_heads.py results/embedded/ruler/smollm2/needle_heads_b512.json --samples 2
+
+Only the prompts come from pcs (its RULER builder, so the token ids are the run's). Everything measured is
+recomputed here from transformers' eager attention (``output_attentions=True``) and the equations, without
+pcs's engine, caches, methods or ``run_prefill``:
+
+- **retrieval mass**: the full cache answers greedily; at each fed answer token (at most 16, the stop token not
+  fed) the attention each (layer, query head) puts on the needle's positions, averaged over the steps;
+- **SnapKV's kept needle share** under the paper profile with attention selection: the last ``window`` queries'
+  softmax attention summed over those queries, max-pooled with ``kernel`` over positions, averaged over each KV
+  head's query group, the top ``budget - window`` prefix positions (a tie to the earlier one) plus the window;
+  the share of the needle's positions kept, per (layer, KV head);
+- **the needle's positions**: the tokens whose decoded text overlaps an expected answer, found by a regular
+  expression over the decoded prompt.
+
+It prints the largest difference from the file for each quantity and exits non-zero if any exceeds the tolerance.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+TOLERANCE_MASS = 1e-4   # float32 attention through two code paths (eager here, pcs's own softmax there)
+MAX_STEPS = 16
+
+
+def needle_positions(tokenizer, ids: list[int], values: list[str]) -> list[int]:
+    spans, offset = [], 0
+    for token in ids:
+        piece = tokenizer.decode([token])
+        spans.append((offset, offset + len(piece)))
+        offset += len(piece)
+    text = "".join(tokenizer.decode([t]) for t in ids)
+    hits = [(m.start(), m.end()) for v in values for m in re.finditer(re.escape(v), text)]
+    return sorted({i for i, (a, b) in enumerate(spans) for s, e in hits if a < e and s < b})
+
+
+def snapkv_kept(attentions, n_kv: int, budget: int, window: int, kernel: int) -> list[list[torch.Tensor]]:
+    """Per layer, per KV head: the kept positions (SnapKV, paper profile, attention selection)."""
+    kept = []
+    for layer_attention in attentions:                       # (1, H_q, n, n)
+        a = layer_attention[0, :, -window:, :-window].sum(1)  # (H_q, n - window)
+        pooled = torch.nn.functional.max_pool1d(a[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
+        group = pooled.shape[0] // n_kv
+        score = pooled.view(n_kv, group, -1).mean(1)         # (H_kv, n - window)
+        n_prefix = score.shape[1]
+        heads = []
+        for s in score:
+            # the top (budget - window), a tie going to the earlier position: sort by (-score, position)
+            order = sorted(range(n_prefix), key=lambda i: (-float(s[i]), i))[: budget - window]
+            heads.append(torch.tensor(sorted(order) + list(range(n_prefix, n_prefix + window))))
+        kept.append(heads)
+    return kept
+
+
+def retrieval_masses(model, ids: list[int], positions: list[int], stops: set[int]) -> torch.Tensor:
+    """(L, H_q): mean attention mass on ``positions`` over the fed answer tokens of the greedy full cache."""
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([ids]), use_cache=True)
+        cache, token, steps = out.past_key_values, int(out.logits[0, -1].argmax()), []
+        for _ in range(MAX_STEPS):
+            out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
+                        output_attentions=True)
+            cache = out.past_key_values
+            steps.append(torch.stack([a[0, :, -1, positions].sum(-1) for a in out.attentions]))
+            token = int(out.logits[0, -1].argmax())
+            if token in stops:
+                break
+    return torch.stack(steps).mean(0)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("analysis", type=Path, help="a pcs.needle_heads JSON file")
+    parser.add_argument("--samples", type=int, default=2, help="first samples of each task to check")
+    args = parser.parse_args(argv)
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from pcs.benchmarks.base import build_benchmark
+    from pcs.models import load_model, stop_token_ids
+    from pcs.run_folder import load_config
+
+    analysis = json.loads(args.analysis.read_text())
+    root = args.analysis.parent
+    full_cfg = load_config(root / analysis["full_run"])
+    snapkv_runs = [r for r in analysis["runs"]
+                   if (cfg := load_config(root / r)).method.name == "snapkv" and cfg.selection.name == "attention"
+                   and cfg.profile.name == "paper"]
+    if not snapkv_runs:
+        raise SystemExit("no SnapKV run with attention selection under the paper profile in the file")
+    model, tokenizer = load_model(full_cfg.model)
+    model.set_attn_implementation("eager")
+    stops = stop_token_ids(model, tokenizer, full_cfg.model.stop_tokens)
+    n_kv = model.config.num_key_value_heads
+    benchmark = build_benchmark(full_cfg)
+    prompts = {s.id: benchmark.encode(s, tokenizer, full_cfg.model) for s in benchmark.samples(tokenizer)}
+
+    per_task: dict[str, int] = {}
+    worst = {"positions": 0, "mass": 0.0, "kept": 0.0}
+    for row in analysis["samples"]:
+        if per_task.get(row["task"], 0) >= args.samples:
+            continue
+        per_task[row["task"]] = per_task.get(row["task"], 0) + 1
+        prompt = prompts[row["id"]]
+        if prompt.question:
+            raise SystemExit("this check covers the question-inside setting (the question compressed with the context)")
+        ids = prompt.context
+        sample = next(s for s in benchmark.samples(tokenizer) if s.id == row["id"])
+        positions = needle_positions(tokenizer, ids, list(sample.meta["outputs"]))
+        worst["positions"] = max(worst["positions"], int(positions != row["needle_positions"]))
+        mass = retrieval_masses(model, ids, positions, stops)
+        mass_gap = float((mass - torch.tensor(row["retrieval"])).abs().max())
+        with torch.inference_mode():
+            attentions = model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
+        line = f"{row['id']}: needle {positions[0]}..{positions[-1]}, retrieval mass |diff| {mass_gap:.2e}"
+        for run in snapkv_runs:
+            cfg = load_config(root / run)
+            kept = snapkv_kept(attentions, n_kv, int(cfg.budget), cfg.method.window, cfg.method.kernel)
+            wanted = torch.tensor(positions)
+            share = torch.tensor([[float(torch.isin(wanted, h).float().mean()) for h in layer] for layer in kept])
+            kept_gap = float((share - torch.tensor(row["runs"][run]["kept"])).abs().max())
+            worst["kept"] = max(worst["kept"], kept_gap)
+            line += f"; {cfg.method.name} b{cfg.budget} kept share |diff| {kept_gap:.3f}"
+        worst["mass"] = max(worst["mass"], mass_gap)
+        print(line, flush=True)
+    print(f"largest differences: needle positions {worst['positions']} samples differ, retrieval mass "
+          f"{worst['mass']:.2e} (tolerance {TOLERANCE_MASS:g}), kept share {worst['kept']:.3f} (must be 0)")
+    return int(worst["positions"] > 0 or worst["mass"] > TOLERANCE_MASS or worst["kept"] > 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
