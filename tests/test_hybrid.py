@@ -9,7 +9,8 @@ import torch
 from transformers import (AutoModelForCausalLM, DynamicCache, Gemma2Config, Gemma3TextConfig, MinistralConfig,
                           MistralConfig, Olmo3Config, Qwen2Config)
 
-from pcs.cache import CompressedCache
+import pcs.cache
+from pcs.cache import CompressedCache, sliding_block, sliding_prefill_attention
 from pcs.compression import compress_after_prefill
 from pcs.engine import Arrival, Cell, DecodePool, decode
 from pcs.engine.prefill import full_kv_bytes
@@ -113,6 +114,51 @@ def test_kv_bytes_of_a_compressed_hybrid_are_its_full_layers_kept_entries_plus_t
         model.set_attn_implementation("pcs")
     assert full_kv_bytes(cfg, 120, torch.float32) == sum(l.keys.nbytes + l.values.nbytes for l in own.layers)
     assert held_entries(cfg.sliding_window, 120) == cfg.sliding_window - 1 and held_entries(None, 120) == 120
+
+
+@torch.no_grad()
+def test_a_long_prefill_of_sliding_layers_block_by_block_equals_the_models_own(model, monkeypatch):
+    """Prompts several sliding blocks long: the banded prefill (each block of queries against the keys its window
+    reaches) gives the logits of transformers' own SDPA over the whole mask, and its cache the same entries."""
+    blocks = []
+    original = pcs.cache.sliding_prefill_attention
+    monkeypatch.setattr(pcs.cache, "sliding_prefill_attention",
+                        lambda *a, **k: blocks.append(a[1].shape[2]) or original(*a, **k))
+    ids = torch.randint(0, 256, (1, 3 * sliding_block(model.config.sliding_window) + 37),
+                        generator=torch.Generator().manual_seed(7))
+    cache = CompressedCache.of(model.config)
+    got = model(input_ids=ids, past_key_values=cache).logits
+    n_sliding = sum(w is not None for w in attention_windows(model.config))
+    assert blocks == [ids.shape[1]] * n_sliding          # every sliding layer went block by block
+    model.set_attn_implementation("sdpa")
+    try:
+        own = DynamicCache(config=model.config)
+        want = model(input_ids=ids, past_key_values=own).logits
+    finally:
+        model.set_attn_implementation("pcs")
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert cache.entries_per_head() == [[layer.keys.shape[-2]] * layer.keys.shape[1] for layer in own.layers]
+
+
+@pytest.mark.parametrize("given_mask", [True, False])
+@pytest.mark.parametrize("offset", [0, 45])
+def test_banded_sliding_attention_equals_attention_under_the_whole_mask(given_mask, offset):
+    """Against one SDPA call with the dense sliding mask (a query at i sees keys i - W < j <= i), queries after
+    ``offset`` earlier keys, with the model's mask given or built from the window."""
+    g = torch.Generator().manual_seed(11)
+    window, q_len, heads, kv_heads, d = 20, 300, 4, 2, 8
+    k_len = offset + q_len
+    query = torch.randn(1, heads, q_len, d, generator=g)
+    key, value = torch.randn(1, kv_heads, k_len, d, generator=g), torch.randn(1, kv_heads, k_len, d, generator=g)
+    position = torch.arange(offset, k_len)[:, None]
+    seen = torch.arange(k_len)[None, :]
+    mask = ((seen <= position) & (seen > position - window))[None, None]
+    module = type("Attention", (), {"num_key_value_groups": heads // kv_heads, "is_causal": True,
+                                    "training": False})()
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), attn_mask=mask, scale=0.3).transpose(1, 2)
+    got, _ = sliding_prefill_attention(module, query, key, value, mask if given_mask else None, 0.3, window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @torch.no_grad()
