@@ -48,6 +48,7 @@ class Stage2Work:
     """What stage 2 computed, summed over the layers it selected in (``pcs.bench`` reports it)."""
     entries: int = 0          # prefix entries of those heads: what exhaustive scoring computes
     exact: int = 0            # entries whose ||v W^O_h||_1 was computed
+    certified: int = 0        # entries kept on their lower bound alone, without an exact norm
     gram: int = 0             # entries whose d^2 bound was computed (the d bound is computed for every entry)
     heads: int = 0            # KV heads (rows) that chose by stage 2
     widened: int = 0          # of them, heads whose first candidates left entries to score (a second round)
@@ -61,6 +62,10 @@ class Stage2Work:
     @property
     def gram_share(self) -> float:
         return self.gram / self.entries if self.entries else 0.0
+
+    @property
+    def certified_share(self) -> float:
+        return self.certified / self.entries if self.entries else 0.0
 
 
 @dataclass
@@ -141,7 +146,8 @@ class Stage2:
     """Stage 2 of one layer: ``A x ||v W^O_h||_1`` per KV head, over the entries stage 1 left
     (``excluded``: stage 1's picks and padding, scored minus infinity), ``counts[r]`` entries for row r. One row
     per KV head (per query head where query heads choose apart)."""
-    MOST_READS = 3   # host reads per layer: rounds 1 and 2, and under torch.topk's tie rule a re-check of the cut
+    MOST_READS = 4   # host reads per layer: the entries certified, rounds 1 and 2, and under torch.topk's tie rule
+                     # a re-check of the cut
 
     def __init__(self, selection: PerturbationSelection, ws: WindowScores, excluded: torch.Tensor, counts: list[int]):
         self.selection, self.ws, self.excluded, self.counts = selection, ws, excluded, counts
@@ -185,28 +191,36 @@ class Stage2:
         norms = (self.hidden * eigenvalues * squares[:, None, :]).sqrt()                  # (rows, group, m)
         return (self.selection.combine(self.attention, norms) * self.slack).masked_fill(self.excluded, float("-inf"))
 
-    def gram_bound(self, r: int, idx: torch.Tensor) -> torch.Tensor:
-        """(c,) upper bounds of row ``r``'s scores of entries ``idx``: ``sqrt(hidden) ||v W^O_h||_2`` with
-        ``||v W^O_h||_2^2 = v G_h v``, d^2 multiply-adds per entry and query head, within ~25 % of the norm when
-        y's entries are of similar size. Room is left for float32's rounding of the quadratic form."""
+    def gram_bounds(self, r: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(c,) upper and lower bounds of row ``r``'s scores of entries ``idx``, from ``y = v W^O_h``'s 2-norm:
+        ``sqrt(hidden) ||y||_2 >= ||y||_1 >= ||y||_2`` with ``||y||_2^2 = v G_h v``, d^2 multiply-adds per entry
+        and query head. The upper one is within ~25 % of the norm when y's entries are of similar size; the lower
+        one is looser (``sqrt(hidden)`` below the upper) but enough to keep an entry whose attention dwarfs the
+        cut's. Room is left for float32's rounding of the quadratic form and of the exact scores."""
         d = self.ws.prefix_values.shape[-1]
         grams = output_projection(self.ws.o_proj_weight, d).grams[self.heads(r)]          # (group, d, d)
         rounding = 2 * d * torch.finfo(torch.float32).eps * grams.flatten(1).norm(dim=-1)  # (group,)
         values = self.ws.prefix_values[r][idx]                                            # (c, d)
-        quadratic = quadratic_forms(values, grams, self.ws.prefix_values.nbytes // 2) \
-            + rounding[:, None] * values.float().square().sum(-1)                         # (group, c)
-        norms = (quadratic.clamp_min(0) * self.hidden).sqrt()
-        return self.selection.combine(self.attention[r][:, idx], norms) * self.slack
+        quadratic = quadratic_forms(values, grams, self.ws.prefix_values.nbytes // 2)     # (group, c)
+        room = rounding[:, None] * values.float().square().sum(-1)
+        upper = ((quadratic + room).clamp_min(0) * self.hidden).sqrt()
+        lower = (quadratic - room).clamp_min(0).sqrt()
+        attention = self.attention[r][:, idx]
+        return (self.selection.combine(attention, upper) * self.slack,
+                self.selection.combine(attention, lower) / self.slack)
 
     def bounded(self, work: Stage2Work) -> torch.Tensor:
         """(rows, m) scores that keep what ``exhaustive`` keeps: exact for every entry that can reach its row's
         top ``k``, minus infinity elsewhere. Per row, with k entries to choose:
 
-        1. Its best ``POOL x k`` entries by the d bound get the d^2 bound, and the best of those
-           (``first_candidates``, rounded up to whole products) their exact scores. Their k-th best, the cut, is
-           at most the row's true k-th best score, so an entry whose bound falls below it cannot reach the top k.
-           One read for all rows: how many entries of the pool have a d^2 bound that reaches the cut, and how many
-           outside it a d bound that does.
+        0. Its best ``POOL x k`` entries by the d bound get the d^2 bounds, upper and lower. An entry whose lower
+           bound beats the row's k-th best upper bound is kept without its exact score: only the k - 1 entries
+           above that could outscore it. One read for all rows: how many each has so (c).
+        1. The best of the rest of the pool by the upper bound (``first_candidates`` of k - c, rounded up to
+           whole products) get their exact scores. With the c kept, their (k - c)-th best, the cut, is at most the
+           row's true k-th best score, so an entry whose bound falls below it cannot reach the top k. One read
+           for all rows: how many entries of the pool have a d^2 bound that reaches the cut, and how many outside
+           it a d bound that does.
         2. The first are scored exactly; the second get the d^2 bound. One read: how many of them reach the cut.
         3. Those are scored exactly.
         Every entry tied with the k-th best is scored, so the stable tie rule picks as over all entries; under
@@ -218,19 +232,32 @@ class Stage2:
         if not live:
             return scores
         pools = [min(self.m, max(POOL * k, k + 256)) for k in self.counts]
-        sizes = [min(pool, -(-first_candidates(k) // self.tile) * self.tile) for k, pool in zip(self.counts, pools)]
         work.heads, work.entries, work.layers = work.heads + len(live), work.entries + self.m * len(live), work.layers + 1
 
-        # Round 1: the d^2 bound where computed (each row's pool), the d bound elsewhere.
+        # Round 0: the d^2 bounds where computed (each row's pool), the d bound elsewhere; the entries certified.
         spectral = self.spectral_bounds()                                                 # (rows, m)
         bound, pool = spectral.topk(max(pools), dim=-1)
-        bound = bound.clone()
+        bound, lower = bound.clone(), torch.full_like(bound, inf)
         for r in live:
-            bound[r, :pools[r]] = torch.minimum(bound[r, :pools[r]], self.gram_bound(r, pool[r, :pools[r]]))
+            upper, lower[r, :pools[r]] = self.gram_bounds(r, pool[r, :pools[r]])
+            bound[r, :pools[r]] = torch.minimum(bound[r, :pools[r]], upper)
+            work.gram += pools[r]
+        lower.masked_fill_(self.excluded.gather(1, pool), inf)
+        kth_upper = self.cuts(spectral.scatter(1, pool, bound))                           # (rows, 1)
+        certified = lower > kth_upper                                                     # (rows, max(pools))
+        kept = self.read(work, certified.sum(-1))[0]
+        work.certified += sum(kept)
+        scores.scatter_(1, pool, torch.where(certified, float("inf"), inf))
+        bound.masked_fill_(certified, inf)
+
+        # Round 1: exact scores for the best of the rest by the upper bounds.
+        sizes = [min(pool_size - c, -(-first_candidates(k - c) // self.tile) * self.tile)
+                 for k, c, pool_size in zip(self.counts, kept, pools)]
         candidates = pool.gather(1, bound.topk(max(sizes), dim=-1).indices)               # (rows, max(sizes))
         for r in live:
-            scores[r, candidates[r, :sizes[r]]] = self.exact(r, candidates[r, :sizes[r]])
-            work.gram, work.exact = work.gram + pools[r], work.exact + sizes[r]
+            if sizes[r]:
+                scores[r, candidates[r, :sizes[r]]] = self.exact(r, candidates[r, :sizes[r]])
+                work.exact += sizes[r]
         scores.masked_fill_(self.excluded, inf)
         cut = self.cuts(scores)                                                           # (rows, 1)
         open_ = ~self.excluded & (scores == inf)                                          # not ruled out, not scored
@@ -250,7 +277,7 @@ class Stage2:
                 self.score_some(r, self.marked(to_score[r], reads[0][r]), scores, work)
             if reads[1][r]:
                 idx = self.marked(to_bound[r], reads[1][r])
-                reaching[r] = idx, self.gram_bound(r, idx) >= cut[r]
+                reaching[r] = idx, self.gram_bounds(r, idx)[0] >= cut[r]
                 work.gram += reads[1][r]
         if reaching:
             more = self.read(work, *[reach.sum() for _, reach in reaching.values()])
