@@ -189,6 +189,21 @@ def test_the_bounds_hold_every_computed_score(dtype, gqa):
     assert (lower > 0).all() and (lower * math.sqrt(hidden) * stage2.slack ** 2 * 1.01 >= gram)[1, 50:].all()
 
 
+def test_the_sign_lower_bound_comes_close_to_the_norm_when_values_share_a_direction():
+    """Value vectors around a common direction (as a layer's values are): the lower bound from the sign patterns
+    of the mean's output is within a few percent of most entries' exact score, far above ||y||_2's sqrt(hidden)."""
+    g = torch.Generator().manual_seed(8)
+    n_kv, group, m, d, hidden = 1, 3, 400, 16, 96
+    values = torch.randn(d, generator=g) * 3 + 0.5 * torch.randn(n_kv, m, d, generator=g)
+    mean, pooled, stage1 = attention_like(n_kv, group, m, True, g)
+    ws = WindowScores(mean, pooled, stage1, values, torch.randn(hidden, n_kv * group * d, generator=g))
+    stage2 = Stage2(PerturbationSelection(), ws, torch.zeros(n_kv, m, dtype=torch.bool), [100])
+    exact = stage2.exhaustive()[0]
+    lower = stage2.gram_bounds(0, torch.arange(m))[1]
+    assert (lower <= exact).all()
+    assert (lower / exact).median() > 0.9 and (lower / exact).min() > 1 / math.sqrt(hidden)
+
+
 def attention_like(n_rows, group, m, peaked, generator):
     logits = torch.randn(n_rows * group, m, generator=generator) * (4.0 if peaked else 0.3)
     mean = logits.softmax(-1)

@@ -162,6 +162,7 @@ class Stage2:
         self.shared_norms = None if ws.shared is None else \
             ws.shared.value_norms(self.group)[:, :self.m].view(self.rows, self.group, self.m)
         self.slack = (1 + torch.finfo(ws.prefix_values.dtype).eps) * (1 + ROUNDING)
+        self._signs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def exact(self, r: int, idx: torch.Tensor | None = None) -> torch.Tensor:
         """Row ``r``'s stage-2 scores of entries ``idx`` (all by default)."""
@@ -191,20 +192,50 @@ class Stage2:
         norms = (self.hidden * eigenvalues * squares[:, None, :]).sqrt()                  # (rows, group, m)
         return (self.selection.combine(self.attention, norms) * self.slack).masked_fill(self.excluded, float("-inf"))
 
+    def sign_projections(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(group, J, d) vectors ``u = W^O_h s`` for sign vectors ``s`` (|s . y| <= ||y||_1 for any of them, so
+        ``|v . u|`` bounds ``||v W^O_h||_1`` from below in d multiply-adds), and (group, J) the room their float32
+        rounding needs per unit of ``||v||``. The signs are those of the outputs of row ``r``'s mean value and of
+        that mean one standard deviation either way along its values' first principal component (4 power
+        iterations: no eigensolver, no wait for a GPU): value vectors share much of their direction, so an
+        entry's output mostly has one of these sign patterns and the bound comes close to its norm."""
+        if r not in self._signs:
+            d = self.ws.prefix_values.shape[-1]
+            eps = torch.finfo(torch.float32).eps
+            w = self.ws.o_proj_weight[:, self.heads(r).start * d:self.heads(r).stop * d].float()
+            w = w.view(self.hidden, self.group, d).permute(1, 2, 0)                          # (group, d, hidden)
+            values = self.ws.prefix_values[r].float()
+            mean = values.mean(0)
+            centred = values - mean
+            component = torch.ones(d, device=values.device)
+            for _ in range(4):
+                component = centred.T @ (centred @ component)
+                component = component / component.norm().clamp_min(torch.finfo(torch.float32).tiny)
+            spread = (centred @ component).std()
+            directions = torch.stack([mean, mean + spread * component, mean - spread * component])  # (J, d)
+            signs = torch.einsum("jd,gdo->gjo", directions, w).sign()                         # (group, J, hidden)
+            u = torch.einsum("gdo,gjo->gjd", w, signs)                                        # (group, J, d)
+            # |fl(v . u) - v . s W| <= ||v|| (||fl(u) - u|| + d eps ||u||), ||fl(u) - u|| <= hidden eps ||(|W| 1)||
+            room = (self.hidden * eps * w.abs().sum(-1).norm(dim=-1))[:, None] + d * eps * u.norm(dim=-1)
+            self._signs[r] = u, 2 * room
+        return self._signs[r]
+
     def gram_bounds(self, r: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(c,) upper and lower bounds of row ``r``'s scores of entries ``idx``, from ``y = v W^O_h``'s 2-norm:
-        ``sqrt(hidden) ||y||_2 >= ||y||_1 >= ||y||_2`` with ``||y||_2^2 = v G_h v``, d^2 multiply-adds per entry
-        and query head. The upper one is within ~25 % of the norm when y's entries are of similar size; the lower
-        one is looser (``sqrt(hidden)`` below the upper) but enough to keep an entry whose attention dwarfs the
-        cut's. Room is left for float32's rounding of the quadratic form and of the exact scores."""
+        """(c,) upper and lower bounds of row ``r``'s scores of entries ``idx``. Upper: ``sqrt(hidden) ||y||_2``
+        with ``||y||_2^2 = v G_h v`` (d^2 multiply-adds per entry and query head), within ~25 % of ``||y||_1``
+        when y's entries are of similar size. Lower: the larger of ``||y||_2`` and ``sign_projections``' ``|v . u|``.
+        Room is left for float32's rounding of each and of the exact scores."""
         d = self.ws.prefix_values.shape[-1]
         grams = output_projection(self.ws.o_proj_weight, d).grams[self.heads(r)]          # (group, d, d)
         rounding = 2 * d * torch.finfo(torch.float32).eps * grams.flatten(1).norm(dim=-1)  # (group,)
         values = self.ws.prefix_values[r][idx]                                            # (c, d)
         quadratic = quadratic_forms(values, grams, self.ws.prefix_values.nbytes // 2)     # (group, c)
-        room = rounding[:, None] * values.float().square().sum(-1)
+        squares = values.float().square().sum(-1)
+        room = rounding[:, None] * squares
         upper = ((quadratic + room).clamp_min(0) * self.hidden).sqrt()
-        lower = (quadratic - room).clamp_min(0).sqrt()
+        u, u_room = self.sign_projections(r)
+        dots = torch.einsum("cd,gjd->gjc", values.float(), u).abs() - u_room[:, :, None] * squares.sqrt()
+        lower = torch.maximum((quadratic - room).clamp_min(0).sqrt(), dots.amax(1).clamp_min(0))
         attention = self.attention[r][:, idx]
         return (self.selection.combine(attention, upper) * self.slack,
                 self.selection.combine(attention, lower) / self.slack)
