@@ -32,8 +32,9 @@ def ablation_plot(effects: pd.DataFrame, path: Path, domain: str = "average") ->
     blocks = list(mine.groupby(["model", "benchmark", "setting"], sort=True))
     panels = max(len(b.groupby(["method", "budget"])) for _, b in blocks)
     heights = [max(2.5, 0.6 * b[["conventions", "selection"]].drop_duplicates().shape[0]) for _, b in blocks]
+    # One x scale per row: a reader compares a reading's effect across methods and budgets at a glance.
     fig, axes = plt.subplots(len(blocks), panels, figsize=(2.5 + 3.2 * panels, sum(heights) + 1.4), squeeze=False,
-                             gridspec_kw={"height_ratios": heights})
+                             sharex="row", gridspec_kw={"height_ratios": heights})
     for row, ((model, benchmark, setting), block) in enumerate(blocks):
         names = sorted({(c, s, k) for c, s, k in zip(block["conventions"], block["selection"], block["knobs"])})
         y = {name[:2]: i for i, name in enumerate(names)}
