@@ -147,3 +147,15 @@ def test_the_report_draws_each_analysis(tmp_path):
     assert "| snapkv_perturbation_b64 | 2 | 2 | 38 % / 25 % | 38 % / 25 % |" in lines
     figure = tmp_path / "report" / "needle_heads" / "ruler__tiny__needle_heads_b64.png"
     assert figure.stat().st_size > 10_000
+
+
+def test_panel_titles_keep_what_tells_the_runs_apart():
+    """Runs differing only by a selection knob after the setting (stage2_source=pooled) get different titles; what
+    every run shares (setting, budget) is dropped, the method kept."""
+    from pcs.plots.needle_heads import panel_names
+    setting = "b512_lengths=2048_tasks=niah_single_1+niah_single_2"
+    labels = [f"snapkv_perturbation_{setting}", f"snapkv_perturbation_{setting}_stage2_source=pooled",
+              f"snapkv_attention_{setting}"]
+    names = panel_names(labels)
+    assert names == ["snapkv_perturbation", "snapkv_perturbation_stage2_source=pooled", "snapkv_attention"]
+    assert panel_names([labels[0]]) == [labels[0]]

@@ -2,6 +2,7 @@
 what each run kept of the needle per (layer, KV head), the retrieval heads' KV heads outlined."""
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -12,6 +13,14 @@ from matplotlib.patches import Rectangle  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 import numpy as np  # noqa: E402
+
+
+def panel_names(labels: list[str]) -> list[str]:
+    """Each run folder's name without the words every run of the figure shares (the benchmark's setting, the
+    budget): ``snapkv_perturbation_stage2_source=pooled`` beside ``snapkv_perturbation``, not two equal titles."""
+    words = [label.split("_") for label in labels]
+    shared = set.intersection(*map(set, words)) if len(labels) > 1 else set()
+    return ["_".join([ws[0]] + [w for w in ws[1:] if w not in shared]) for ws in words]   # the method stays
 
 
 def needle_heads_figure(retrieval: np.ndarray, kept: dict[str, np.ndarray], heads: list[tuple[int, int]],
@@ -31,12 +40,12 @@ def needle_heads_figure(retrieval: np.ndarray, kept: dict[str, np.ndarray], head
     ax.set_xlabel("query head", fontsize=7)
     ax.set_ylabel("layer", fontsize=7)
     fig.colorbar(image, ax=ax, location="bottom", fraction=0.05, pad=0.08)
-    for ax, (label, grid) in zip(axes[0][1:], kept.items()):
+    for ax, name, grid in zip(axes[0][1:], panel_names(list(kept)), kept.values()):
         image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
         group = n_q // grid.shape[1] if grid.shape[1] else 1
         for layer, head in heads:
             ax.add_patch(Rectangle((head // group - 0.5, layer - 0.5), 1, 1, fill=False, edgecolor="red", lw=1.2))
-        ax.set_title(f"{label.split('_lengths')[0]}\nneedle kept (share)", fontsize=8)
+        ax.set_title("\n".join(textwrap.wrap(name, 24)) + "\nneedle kept (share)", fontsize=8)
         ax.set_xlabel("KV head", fontsize=7)
         ax.set_yticks([])
     for ax in axes[0]:
