@@ -45,7 +45,7 @@ def needle_heads_figure(retrieval: np.ndarray, kept: dict[str, np.ndarray], head
         group = n_q // grid.shape[1] if grid.shape[1] else 1
         for layer, head in heads:
             ax.add_patch(Rectangle((head // group - 0.5, layer - 0.5), 1, 1, fill=False, edgecolor="red", lw=1.2))
-        ax.set_title("\n".join(textwrap.wrap(name, 24)) + "\nneedle kept (share)", fontsize=8)
+        ax.set_title("\n".join(textwrap.wrap(name.replace("_", " "), 26)) + "\nneedle kept (share)", fontsize=8)
         ax.set_xlabel("KV head", fontsize=7)
         ax.set_yticks([])
     for ax in axes[0]:
