@@ -98,11 +98,47 @@ def test_report_from_a_results_folder(results, tmp_path):
                 "perturbation/smollm2__snapkv_b128/layerwise.png"]:
         assert (out / png).read_bytes()[:8] == PNG, png
     side_by_side = (out / "tables" / "methods_needle_smollm2.md").read_text()
-    for line in ("| adakv | w/o | 90.00 | 50.00 |", "| adakv | w/ | 90.00 | 60.00 |", "| laprox | - | 90.00 | **70.00** |",
-                 "| snapkv | w/ | 90.00 | 60.00 |"):
+    for line in ("| adakv | - | w/o | 90.00 | 50.00 |", "| adakv | - | w/ | 90.00 | 60.00 |",
+                 "| laprox | - | - | 90.00 | **70.00** |", "| snapkv | - | w/ | 90.00 | 60.00 |"):
         assert line in side_by_side
     report = (out / "report.md").read_text()
     assert "## Budget savings" in report and "## Needle-in-a-Haystack" in report and "9 / 10" in report
+
+
+def test_conventions_and_knob_readings_keep_rows_of_their_own(tmp_path):
+    """Runs of one method and setting under other conventions, or with a selection knob changed, are other
+    configurations: each keeps its own row in the side-by-side table (never merged into the default's), the
+    paper-shaped table holds the paper's selections only, and a table of one cell is linked, not inlined."""
+    root = tmp_path / "results"
+    runs = {("method=full",): 90.0, ("method=snapkv", "selection=attention", "budget=64"): 50.0,
+            ("method=snapkv", "selection=perturbation", "budget=64"): 40.0,
+            ("method=snapkv", "selection=perturbation", "selection.alpha=0.5", "budget=64"): 55.0,
+            ("method=snapkv", "selection=attention", "budget=64", "profile=kvpress"): 20.0}
+    for overrides, score in runs.items():
+        folder = write_run(root, *overrides, metrics=needle_metrics(score))
+        right = round(score / 5)    # of 20 samples (the knob ablation's section pairs them)
+        (folder / "predictions.jsonl").write_text("".join(
+            json.dumps({"id": str(i), "stratum": "grid", "score": 100.0 if i < right else 0.0}) + "\n"
+            for i in range(20)))
+    out = tmp_path / "report"
+    build(root, out, resamples=200)
+    side_by_side = (out / "tables" / "methods_needle_smollm2.md").read_text()
+    rows = [line for line in side_by_side.splitlines() if line.startswith("| snapkv")]
+    kvpress = RunIdentity(compose_cfg("method=snapkv", "budget=64", "profile=kvpress")).method_knobs
+    assert rows == ["| snapkv | - | w/o | 90.00 | 50.00 |", "| snapkv | - | w/ | 90.00 | 40.00 |",
+                    "| snapkv | - | perturbation_alpha=0.5 | 90.00 | **55.00** |",
+                    f"| snapkv | {'_'.join(kvpress)} | w/o | 90.00 | 20.00 |"]
+    paper_shaped = (out / "tables" / "needle_snapkv.md").read_text()
+    assert "| Average | 90.00 | **50.00** | 40.00 |" in paper_shaped and "alpha" not in paper_shaped
+    report = (out / "report.md").read_text()
+    assert "## needle_snapkv\n" in report and "## needle_snapkv_" + "_".join(kvpress) in report   # full + one cell
+    # a setting without the full cache: its one run's table is one cell
+    write_run(root, "method=snapkv", "selection=attention", "budget=64", "benchmark.context_lengths=[1000]",
+              metrics=needle_metrics(30.0))
+    build(root, out, resamples=200)
+    report = (out / "report.md").read_text()
+    alone = "needle_snapkv_context_lengths=1000"
+    assert f"[{alone}](tables/{alone}.md)" in report and f"## {alone}" not in report
 
 
 def test_paper_values_stand_beside_measured_cells(results, tmp_path):

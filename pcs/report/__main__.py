@@ -194,11 +194,17 @@ def build(results: Path, out: Path, with_paper: bool = False, resamples: int = R
                             else (None, []))
     if df is not None:
         tables = write_tables(df, out, paper_tables() if with_paper else None, tested)
-        lines += ["# Tables", ""] + [tables[name] for name in sorted(tables)]
+        compared = sorted(name for name, table in tables.items() if table.columns > 1)
+        alone = sorted(set(tables) - set(compared))
+        lines += ["# Tables", ""] + [tables[name].markdown for name in compared]
+        if alone:
+            lines += ["Tables of a single cell (no full cache, one budget and selection), not shown here: "
+                      + ", ".join(f"[{name}](tables/{name}.md)" for name in alone), ""]
         comparisons = write_method_comparisons(df, out)
         if comparisons:
-            lines += ["# Methods side by side", "", "Average score per method and selection (w/o: attention, "
-                      "w/: perturbation selection; LaProx and StreamingLLM use none).", ""]
+            lines += ["# Methods side by side", "", "Average score per method, conventions (the method's changed knobs "
+                      "and profile; - for the defaults) and selection (w/o: attention, w/: perturbation selection, "
+                      "else its changed knobs; LaProx and StreamingLLM use none).", ""]
             lines += [comparisons[name] for name in sorted(comparisons)]
         lines += tested_lines + (ablation_section(results, out, resamples, seed) if results.is_dir() else [])
         lines += savings_section(df, out, results.is_dir(), resamples, seed)

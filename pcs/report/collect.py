@@ -2,6 +2,8 @@
 
 One row per (table, model, method, selection, budget, domain): ``domain`` is a LongBench domain or
 ``average`` (the run's ``score``: the 16-task mean for LongBench, the grid mean for the needle test).
+``conventions`` is the method's changed knobs and profile (empty under the defaults), ``variant`` the model and
+benchmark setting.
 Run folders are grouped into tables by benchmark, method and any non-default knob, so runs that
 differ in more than selection and budget never share a column; full-cache runs join every table of
 their benchmark and model knobs.
@@ -17,7 +19,8 @@ import pandas as pd
 from ..identity import RunIdentity
 from ..run_folder import load_config
 
-COLUMNS = ["table", "benchmark", "model", "method", "selection", "budget", "domain", "score", "run_dir", "variant"]
+COLUMNS = ["table", "benchmark", "model", "method", "selection", "budget", "domain", "score", "run_dir", "variant",
+           "conventions"]
 
 
 def paper_tables() -> pd.DataFrame:
@@ -38,6 +41,7 @@ def read_csv(path) -> pd.DataFrame:
     df["benchmark"] = df.get("benchmark", "longbench")
     df["run_dir"] = None
     df["variant"] = ""
+    df["conventions"] = ""
     return expand_full_rows(df[COLUMNS])
 
 
@@ -60,7 +64,8 @@ def run_rows(run_dir: Path) -> list[dict]:
     run = RunIdentity(cfg)
     common = {"table": run.table, "benchmark": cfg.benchmark.name, "model": cfg.model.name,
               "method": cfg.method.name, "selection": run.selection_label,
-              "budget": cfg.budget if run.reads_budget else None, "run_dir": str(run_dir), "variant": run.setting}
+              "budget": cfg.budget if run.reads_budget else None, "run_dir": str(run_dir), "variant": run.setting,
+              "conventions": "_".join(run.method_knobs)}
     rows = [{**common, "domain": domain, "score": value} for domain, value in metrics.get("domains", {}).items()]
     return rows + [{**common, "domain": "average", "score": metrics["score"]}]
 

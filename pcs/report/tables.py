@@ -1,11 +1,16 @@
 """Tables shaped like the paper's LongBench tables: rows = task domains and their average, columns =
-full cache, then per budget one column per selection (without, then with perturbation selection);
-one block per model. Written as Markdown, CSV and LaTeX (booktabs); the best of each budget's
+full cache, then per budget one column per selection the paper reports (without, then with perturbation
+selection); one block per model. Written as Markdown, CSV and LaTeX (booktabs); the best of each budget's
 selections is bold. With a paper frame, each measured cell also shows the paper's value and the
 difference.
+
+Other readings of a selection (changed knobs) and runs under other conventions go to the side-by-side
+tables instead: one per benchmark, model and setting, a row per method, conventions and selection, a column
+per budget.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -158,35 +163,45 @@ def wide_csv(blocks: dict[str, list[dict]]) -> pd.DataFrame:
     return pd.DataFrame(records)
 
 
+@dataclass(frozen=True)
+class Written:
+    markdown: str
+    columns: int    # cells per row: one alone compares nothing (the side-by-side tables hold such runs)
+
+
 def write_tables(df: pd.DataFrame, out: Path, paper: pd.DataFrame | None = None,
-                 tested: pd.DataFrame | None = None) -> dict[str, str]:
-    """One Markdown, CSV and LaTeX file per table under ``out/tables``; returns table -> Markdown.
+                 tested: pd.DataFrame | None = None) -> dict[str, Written]:
+    """One Markdown, CSV and LaTeX file per table under ``out/tables``, of the paper's selections only.
     ``tested`` (significance rows) marks cells whose difference to w/o is significant."""
     significant = significant_cells(tested)
     folder = Path(out) / "tables"
     folder.mkdir(parents=True, exist_ok=True)
     written = {}
-    for name, group in df.groupby("table", sort=True):
+    papers = df[df["selection"].isin(SELECTION_ORDER) | df["budget"].isna()]
+    for name, group in papers.groupby("table", sort=True):
+        if group["budget"].isna().all():
+            continue    # only the full cache's rows: every run of this table reads another selection
         blocks = {model: block(group, model, paper, significant) for model in group["model"].unique()}
         text = markdown(name, blocks, paper is not None)
         (folder / f"{name}.md").write_text(text + "\n")
         (folder / f"{name}.tex").write_text(latex(name, blocks, paper is not None))
         wide_csv(blocks).to_csv(folder / f"{name}.csv", index=False)
-        written[name] = text
+        written[name] = Written(text, len(columns_of(group)))
     return written
 
 
 def method_comparisons(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """Every method side by side: per benchmark, model and variant of measured runs with two or more
-    methods, one row per method and selection, one column per budget, the average score."""
+    """Every configuration side by side: per benchmark, model and setting of measured runs, one row per method,
+    conventions and selection, one column per budget, the average score. Written where the paper-shaped tables
+    do not already hold every run: two or more methods or conventions, or a selection they leave out."""
     measured = df[(df["domain"] == "average") & df["run_dir"].notna()]
     tables = {}
     for (benchmark, model, variant), group in measured.groupby(["benchmark", "model", "variant"], sort=True):
         compressed = group[group["budget"].notna()]
-        if compressed["method"].nunique() < 2:
+        configurations = compressed[["method", "conventions"]].drop_duplicates()
+        if len(configurations) < 2 and compressed["selection"].isin(SELECTION_ORDER).all():
             continue
-        wide = (compressed.drop_duplicates(["method", "selection", "budget"])
-                .pivot(index=["method", "selection"], columns="budget", values="score"))
+        wide = compressed.pivot(index=["method", "conventions", "selection"], columns="budget", values="score")
         wide.columns = [f"b{int(b)}" for b in wide.columns]
         full = group[group["budget"].isna()]
         wide.insert(0, "full", float(full["score"].iloc[0]) if not full.empty else None)
@@ -198,8 +213,8 @@ def method_comparisons(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
 def comparison_markdown(name: str, table: pd.DataFrame) -> str:
     """Markdown of one method comparison; the best score of each budget column in bold."""
     budgets = [c for c in table.columns if c.startswith("b")]
-    lines = [f"## {name}", "", "| method | selection | " + " | ".join(["Full"] + budgets) + " |",
-             "|---|---|" + "---:|" * (len(budgets) + 1)]
+    lines = [f"## {name}", "", "| method | conventions | selection | " + " | ".join(["Full"] + budgets) + " |",
+             "|---|---|---|" + "---:|" * (len(budgets) + 1)]
     best = {b: table[b].max() for b in budgets}
     for _, row in table.iterrows():
         cells = ["-" if pd.isna(row["full"]) else f"{row['full']:.2f}"]
@@ -207,7 +222,8 @@ def comparison_markdown(name: str, table: pd.DataFrame) -> str:
             value = row[b]
             cells.append("-" if pd.isna(value) else (f"**{value:.2f}**" if value == best[b] else f"{value:.2f}"))
         selection = SELECTION_NAMES.get(row["selection"], row["selection"]) or "-"
-        lines.append(f"| {row['method']} | {selection} | " + " | ".join(cells) + " |")
+        conventions = row["conventions"] or "-"
+        lines.append(f"| {row['method']} | {conventions} | {selection} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
