@@ -161,3 +161,26 @@ def test_the_report_has_a_knob_section_and_figure(tmp_path):
     assert "| snapkv | 256 | paper | perturbation_alpha=0.5 | 41.0 | 12 | -4.0* [-4.0, -4.0] | +6.0* [+6.0, +6.0] | - |" \
         in report
     assert (tmp_path / "report" / "ablation.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("reading", READINGS)
+def test_adakv_is_snapkv_when_a_layer_has_one_kv_head(reading):
+    """Why the ablation on Gemma 3 270M (one KV head per layer) runs SnapKV alone: with one head there is
+    nothing to allocate between heads, so every reading keeps SnapKV's entries under AdaKV too. Random layers
+    of Gemma's shape (4 query heads on 1 KV head of 256; the window queries 64 long for kvpress's window)."""
+    import torch
+    from pcs.eviction import build_method
+    from pcs.eviction.base import LayerState
+
+    g = torch.Generator().manual_seed(7)
+    h_q, n, d, budget = 4, 700, 256, 200
+    for trial in range(3):
+        keys, values = torch.randn(1, n, d, generator=g), torch.randn(1, n, d, generator=g) * (1 + trial)
+        queries = torch.randn(h_q, 64, d, generator=g) * 0.2
+        layer = LayerState(trial, 3, keys, values, queries, torch.randn(640, h_q * d, generator=g))
+        kept = []
+        for method in ("snapkv", "adakv"):
+            m = build_method(compose([f"ablation={reading}", f"method={method}", f"budget={budget}"]))
+            w = m.window
+            kept.append([sorted(p.tolist()) for p in m.keep(layer.seen_by(queries[:, -w:]))])
+        assert kept[0] == kept[1] and len(kept[0]) == 1 and len(kept[0][0]) == budget
