@@ -186,6 +186,13 @@ def validate(cfg: DictConfig) -> None:
     if engine.get("pool") is not None and not positive_int(engine.pool):
         raise ConfigError(f"engine.pool={engine.pool!r} must be a positive integer (sequences decoding together) "
                           f"or null (the device's default)")
+    stop_when_scored = engine.get("stop_when_scored", False)
+    if not isinstance(stop_when_scored, bool):
+        raise ConfigError(f"engine.stop_when_scored={stop_when_scored!r} must be true or false")
+    if stop_when_scored and not declared("benchmark", cfg.benchmark.name, "settles", False):
+        raise ConfigError(f"engine.stop_when_scored=true: benchmark={cfg.benchmark.name}'s score of an answer can "
+                          f"still change as the answer grows, so its answers decode to the end (only benchmarks "
+                          f"declaring _settles_, such as ruler, may stop early)")
     window, max_length = cfg.model.context_window, cfg.model.max_length
     if not positive_int(max_length) or max_length > window:
         raise ConfigError(f"model.max_length={max_length!r} must be a positive integer no larger than "

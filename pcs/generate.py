@@ -23,6 +23,7 @@ class RunContext:
     methods: dict                   # variant key -> Method (one for a generation benchmark)
     stop_token_ids: set[int]
     cfg: object                     # the run's whole config
+    benchmark: object = None        # the run's benchmark: when its answers are decided (engine.stop_when_scored)
 
     @property
     def method(self) -> Method:
@@ -55,6 +56,17 @@ def greedy_generate(model, input_ids: torch.Tensor, method: Method, max_new_toke
 Request = tuple[Sample, PromptIds, list[RunContext]]   # a sample, its encoded prompt, the cells still to answer it
 
 
+def settled_test(cell: RunContext, sample: Sample):
+    """With ``engine.stop_when_scored``, the test that ends the cell's answer once its benchmark's score of it is
+    decided (``Benchmark.settled``), on the tokens decoded as the prediction is; otherwise None."""
+    if not (cell.cfg.get("engine") or {}).get("stop_when_scored") or cell.benchmark is None:
+        return None
+    test = cell.benchmark.settled(sample)
+    if test is None:
+        return None
+    return lambda ids: test(cell.tokenizer.decode(ids, skip_special_tokens=True))
+
+
 def generate_rows(requests: Iterable[Request], pool: DecodePool) -> Iterator[tuple[Sample, int, dict]]:
     """Greedy answers to every request's cells, each yielded as ``(sample, index of the cell in its request,
     row fields)`` when it finishes: the prediction, sizes and timings (``prefill_s`` is the shared prefill's
@@ -65,7 +77,8 @@ def generate_rows(requests: Iterable[Request], pool: DecodePool) -> Iterator[tup
             stops = cells[0].stop_token_ids | {tokenizer.encode(t, add_special_tokens=False)[-1]
                                                for t in sample.stop_texts}
             question = None if prompt.question is None else torch.tensor([prompt.question])
-            yield Arrival(model, torch.tensor([prompt.context]), [Cell(c.method, c.cfg.compress.trigger) for c in cells],
+            yield Arrival(model, torch.tensor([prompt.context]),
+                          [Cell(c.method, c.cfg.compress.trigger, settled_test(c, sample)) for c in cells],
                           sample.max_new_tokens, stops, question, sample.min_new_tokens,
                           owners=[(sample, prompt, cells[0].tokenizer, i) for i in range(len(cells))], name=sample.id)
 

@@ -153,7 +153,7 @@ def execute(cells: list[Cell], shard: tuple[int, int] = (0, 1)) -> list[dict | N
 
     with ExitStack() as files:
         for cell in cells:
-            cell.context = RunContext(model, tokenizer, cell.methods, stops, cell.cfg)
+            cell.context = RunContext(model, tokenizer, cell.methods, stops, cell.cfg, cell.benchmark)
             note_samples(cell.run_dir, len(samples))
             cell.out = files.enter_context(resumed(cell, len(samples)))
         speed = Throughput(pool)
@@ -177,7 +177,8 @@ def execute(cells: list[Cell], shard: tuple[int, int] = (0, 1)) -> list[dict | N
             bar.close()
     wall_time_s = round(time.time() - started, 2)
     order = {sample.id: i for i, sample in enumerate(samples)}
-    engine_used = {"pool": pool.size, "cuda_graphs": pool.graphs is not None}
+    engine_used = {"pool": pool.size, "cuda_graphs": pool.graphs is not None,
+                   "stop_when_scored": bool(engine.get("stop_when_scored", False))}
     return [merged(cell, samples, shard, lambda c: summarize(c, model, started_at, wall_time_s, len(cells), order,
                                                             engine_used, shard[1]))
             for cell in cells]

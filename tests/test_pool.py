@@ -239,3 +239,36 @@ def test_a_pooled_run_resumes_an_unpooled_one_and_pairs_with_it(tiny_model_dir, 
     assert rows(pooled) == rows(alone)
     assert metrics["score"] == unpooled["score"]
     assert "engine" not in (folder / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_a_settled_answer_ends_early_as_a_prefix_of_its_whole_answer(size):
+    """``Sequence.settled``: an answer whose tokens decide it leaves the pool at the next multiple of
+    SETTLE_EVERY; its tokens are the whole answer's first ones, and answers without the test run to the end."""
+    from pcs.engine.decode import SETTLE_EVERY
+    model = tiny_model("llama")
+    sample_list = samples(model)
+    cells = [("method=full",), ("method=snapkv", "selection=perturbation")]
+    for s in sample_list:
+        s["max_new"], s["stops"] = 16, set()
+    whole = {}
+    for i, s in enumerate(sample_list):
+        for j, answer in enumerate(batch1(model, s["ids"], [build(c) for c in cells], 16, set(), s["question"])):
+            whole[(i, j)] = answer["tokens"]
+    # the answer is decided once it holds its own 3rd token (seen at token 3 or later): a test that knows it
+    marks = {key: tokens[2] for key, tokens in whole.items()}
+
+    def arrivals():
+        for i, s in enumerate(sample_list):
+            tests = [(lambda ids, m=marks[(i, j)]: m in ids) if j == 0 else None for j in range(len(cells))]
+            yield Arrival(model, s["ids"], [Cell(build(c), None, t) for c, t in zip(cells, tests)], 16, set(),
+                          s["question"], owners=[(i, j) for j in range(len(cells))])
+
+    got = {seq.owner: seq.result.token_ids for seq in decode(DecodePool(model, size), arrivals())}
+    for (i, j), tokens in got.items():
+        if j == 1:
+            assert tokens == whole[(i, j)]                    # no test: decoded to its maximum
+            continue
+        first = whole[(i, j)].index(marks[(i, j)]) + 1        # the answer holds its mark from this many tokens on
+        end = -(-first // SETTLE_EVERY) * SETTLE_EVERY         # asked every SETTLE_EVERY tokens
+        assert tokens == whole[(i, j)][:end] and len(tokens) < 16

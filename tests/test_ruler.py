@@ -117,3 +117,68 @@ def test_default_lengths_follow_the_models_window():
     with pytest.raises(ValueError, match="8192 positions"):
         build_benchmark(compose_cfg("benchmark=ruler", "benchmark.lengths=[4096,16384]",
                                     "benchmark.tasks=[niah_single_1]")).check()
+
+
+def test_an_answer_is_settled_once_its_score_is_100_and_no_longer_text_lowers_it(tmp_path):
+    """``Benchmark.settled`` for RULER (declared ``_settles_``): decided once every reference is in the answer
+    (one, for qa), under either normalization; a score found at 100 stays 100 on every longer text, while a
+    score of a benchmark without the declaration may fall (LongBench: none)."""
+    import random
+    from pcs.benchmarks.base import Sample
+    rng = random.Random(0)
+    pieces = ["1111111", "2222222", " ", "\n", "\x00", ".", "The special magic number", "is:", "2222", "111"]
+    for normalize in ("ruler", "kvpress"):
+        bench, _ = ruler(tmp_path, f"benchmark.normalize={normalize}")
+        for task, outputs in (("niah_multiquery", ["1111111", "2222222"]), ("qa_1", ["1111111", "2222222"]),
+                              ("niah_single_1", ["2222222"])):
+            sample = Sample(id="x", prompt="", max_new_tokens=8, meta={"task": task, "length": 1024,
+                                                                       "outputs": outputs})
+            settled = bench.settled(sample)
+            decided = 0
+            for _ in range(300):
+                text = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 8)))
+                longer = text + "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 8)))
+                score = bench.score({"prediction": text, "task": task, "outputs": outputs})
+                assert settled(text) == (score == 100.0)
+                if settled(text):
+                    decided += 1
+                    assert bench.score({"prediction": longer, "task": task, "outputs": outputs}) == 100.0
+            assert decided > 20
+    longbench = build_benchmark(compose_cfg("benchmark=longbench"))
+    assert longbench.settled(Sample(id="x", prompt="", max_new_tokens=8)) is None
+
+
+def test_stop_when_scored_is_refused_where_a_score_can_still_change():
+    from pcs.config import validate
+    from pcs.errors import ConfigError
+    validate(compose_cfg("benchmark=ruler", "engine.stop_when_scored=true"))
+    for bad, match in ((("benchmark=longbench", "engine.stop_when_scored=true"), "benchmark=longbench"),
+                       (("benchmark=needle", "engine.stop_when_scored=true"), "benchmark=needle"),
+                       (("benchmark=ruler", "engine.stop_when_scored=1"), "true or false")):
+        with pytest.raises(ConfigError, match=match):
+            validate(compose_cfg(*bad))
+
+
+@pytest.mark.slow
+def test_answers_stopped_when_scored_keep_every_score(embedded_dir, tmp_path):
+    """engine.stop_when_scored on the embedded model: the same scores as decoding every answer to its end, each
+    stopped answer the start of the whole one, fewer tokens decoded where an answer was decided early."""
+    from pcs.runner import run
+    rows = {}
+    for flag in ("false", "true"):
+        cfg = compose_cfg("benchmark=ruler", "benchmark.lengths=[1024]", "benchmark.tasks=[niah_single_1]",
+                          "benchmark.n_samples=4", f"benchmark.cache_dir={tmp_path}", f"results_dir={tmp_path / flag}",
+                          "method=snapkv", "budget=256", f"engine.stop_when_scored={flag}", "progress=false")
+        metrics = run(cfg)
+        assert metrics["engine"]["stop_when_scored"] == (flag == "true")
+        (predictions,) = (tmp_path / flag).rglob("predictions.jsonl")
+        rows[flag] = {r["id"]: r for r in map(json.loads, predictions.read_text().splitlines())}
+    whole, stopped = rows["false"], rows["true"]
+    assert set(whole) == set(stopped) and any(r["score"] == 100.0 for r in whole.values())
+    assert any(stopped[key]["new_tokens"] < row["new_tokens"] for key, row in whole.items())
+    for key, row in whole.items():
+        assert stopped[key]["score"] == row["score"], key
+        assert row["prediction"].startswith(stopped[key]["prediction"].rstrip()), key
+        assert stopped[key]["new_tokens"] <= row["new_tokens"]
+    print("\n[stop_when_scored] tokens decoded:", sum(r["new_tokens"] for r in stopped.values()), "of",
+          sum(r["new_tokens"] for r in whole.values()))

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from omegaconf import DictConfig
 
-from ..config import load_class, validate
+from ..config import declared, load_class, validate
 from ..errors import ConfigError
 from ..prompts import PromptIds, encode_prompt
 
@@ -65,6 +66,14 @@ class Benchmark:
     def metrics(self, rows: list[dict]) -> dict:
         """Headline ``score`` and details from the predictions.jsonl rows."""
         raise NotImplementedError
+
+    def settled(self, sample: Sample) -> Callable[[str], bool] | None:
+        """Whether an answer's text so far already decides its score, for a benchmark that declares ``_settles_``
+        (a score that can only rise as the answer grows): once it is 100, no later token can change it. None:
+        the score may still change (F1, ROUGE: more words can lower it)."""
+        if not declared("benchmark", self.cfg.name, "settles", False):
+            return None
+        return lambda text: self.score({"prediction": text, **sample.meta}) == 100.0
 
     def data_hashes(self) -> dict:
         """SHA-256 of the data and prompt templates the samples come from (provenance)."""

@@ -6,7 +6,8 @@ forward for every sequence in flight, top to bottom:
 
 1. choose each sequence's token from its logits (greedy; a stop cannot end it before its minimum), the
    step's one read from the device;
-2. sequences that stopped or reached their maximum leave (their slots are refilled from the end);
+2. sequences that stopped, reached their maximum or whose answer is decided (``Sequence.settled``, asked every
+   ``SETTLE_EVERY`` tokens) leave (their slots are refilled from the end);
 3. one forward feeds every remaining sequence its token at its own position (``PoolCache``: one attention
    call per layer for the whole pool), on CUDA as a captured graph (``pcs.engine.graphs``);
 4. a layer of a sequence whose heads outgrew its ``compress.trigger`` is compressed again.
@@ -26,7 +27,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -36,6 +37,11 @@ from ..compression import CompressionStats, at_unit_scale, attention_modules, re
 from ..eviction.base import Method
 from ..hybrid import attention_windows, full_attention_layers
 from .pool import PoolCache
+
+# How often (in tokens) a sequence with a ``settled`` test is asked it: the test decodes its tokens to text on the
+# host, which on a fast device costs more than a step when asked of every sequence at every step. An answer
+# decided at token t ends by token t + SETTLE_EVERY - 1; what it decided is unchanged.
+SETTLE_EVERY = 4
 
 
 def clock(device: torch.device) -> float:
@@ -77,6 +83,13 @@ class Sequence:
     n_queries: int = 0               # its newest queries each layer remembers (decoding-time compression)
     joined_at: float = 0.0
     source: tuple | None = None      # (Arrival, cell index): how to prefill it again
+    # Whether the tokens so far already decide what is measured of the answer, whatever follows (a score that
+    # can only rise as the answer grows, at its maximum): the answer may end there. None: never.
+    settled: Callable[[list[int]], bool] | None = None
+
+    def decided(self) -> bool:
+        n = len(self.result.token_ids)
+        return self.settled is not None and n % SETTLE_EVERY == 0 and self.settled(self.result.token_ids)
 
     def room(self) -> int:
         """Entries each head may still add: one per token fed."""
@@ -260,7 +273,7 @@ class DecodePool:
                 done.append(slot)
                 continue
             seq.result.token_ids.append(token)
-            if len(seq.result.token_ids) == seq.max_new_tokens:
+            if len(seq.result.token_ids) == seq.max_new_tokens or seq.decided():
                 done.append(slot)
         now = time.perf_counter()
         finished = [self.sequences[slot] for slot in done]

@@ -4,6 +4,7 @@ What comes out is one ``Sequence`` per cell, ready to join a decode pool."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -16,9 +17,11 @@ from .decode import Generation, Sequence, clock
 
 @dataclass
 class Cell:
-    """What one cell decodes with: its method and its decoding-time trigger (None: off)."""
+    """What one cell decodes with: its method, its decoding-time trigger (None: off), and when its answer is
+    decided (``Sequence.settled``; None: decode to a stop or the maximum)."""
     method: Method
     trigger: int | None = None
+    settled: Callable[[list[int]], bool] | None = None
 
 
 @dataclass
@@ -98,4 +101,4 @@ def with_question(model, cache: CompressedCache, cell: Cell, logits, n: int, pre
     result = Generation([], n, cache.nbytes(), full_kv_bytes(model.config, n, model.dtype), prefill_s, 0.0,
                         peak_kv_bytes=peak_kv_bytes)
     return Sequence(owner, cache, logits[0, -1], n, max_new_tokens, min_new_tokens, stops, cell.method,
-                    cell.trigger, result, stats)
+                    cell.trigger, result, stats, settled=cell.settled)
