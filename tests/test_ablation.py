@@ -184,3 +184,32 @@ def test_adakv_is_snapkv_when_a_layer_has_one_kv_head(reading):
             w = m.window
             kept.append([sorted(p.tolist()) for p in m.keep(layer.seen_by(queries[:, -w:]))])
         assert kept[0] == kept[1] and len(kept[0]) == 1 and len(kept[0][0]) == budget
+
+
+def test_a_rerun_agrees_where_the_difference_of_two_independent_estimates_may_be_zero(tmp_path):
+    """scripts/compare_rerun.py on a hand-made ablation.csv: one effect the rerun reproduces (difference 2 within
+    +-sqrt(3^2 + 4^2) = 5), one it does not (difference 12), the per-length rows and unmatched readings ignored."""
+    import subprocess
+    import sys
+    import pandas as pd
+    common = {"model": "smollm2", "benchmark": "ruler", "method": "snapkv", "budget": 512, "conventions": None,
+              "knobs": None, "score": 50.0, "n": 100, "p_value": 0.01, "run_dir": "a", "baseline_run_dir": "b"}
+
+    def row(setting, selection, against, delta, half, domain="average"):
+        return {**common, "setting": setting, "selection": selection, "against": against, "domain": domain,
+                "delta": delta, "ci_low": delta - half, "ci_high": delta + half, "half_width": half}
+
+    rows = [row("s42", "perturbation", "w/o", -20.0, 3.0), row("s43", "perturbation", "w/o", -18.0, 4.0),
+            row("s42", "perturbation_alpha=0.5", "w/o", 10.0, 2.0), row("s43", "perturbation_alpha=0.5", "w/o", -2.0, 2.0),
+            row("s43", "perturbation", "w/o", 40.0, 1.0, domain="mean_2048"),
+            row("s42", "perturbation_epsilon=0.0001", "w/o", 5.0, 1.0)]
+    path = tmp_path / "ablation.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    done = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "scripts" / "compare_rerun.py"), str(path),
+                           "--ablation", "s42", "--rerun", "s43"], capture_output=True, text=True)
+    assert done.returncode == 1, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("| snapkv")]
+    assert len(lines) == 2
+    assert lines[0].endswith("| +2.0 +-5.0 | yes | yes |") and "-20.0 [-23.0, -17.0] (100)" in lines[0]
+    assert lines[1].endswith("| -12.0 +-2.8 | no | no |")
+    assert "1 of 2 effects agree" in done.stdout

@@ -122,6 +122,7 @@ def test_unknown_option_lists_valid_ones():
     (["budget=0"], ["budget=0", "positive integer"]),
     (["preset=criticalkv", "method=streamingllm"], ["method=streamingllm has no knob", "adakv, pyramidkv, snapkv"]),
     (["engine.pool=0"], ["engine.pool=0"]),
+    (["engine.stop_when_scored=true"], ["engine.stop_when_scored=true", "benchmark=needle"]),
     (["selection.alpha=2"], ["selection.alpha=2 must lie in [0, 1]"]),
     (["method=adakv", "method.pooling=mean"], ["method.pooling='mean'", "max, avg"]),
     (["profile.ties=first"], ["profile.ties='first'", "earlier, topk"]),

@@ -1,0 +1,68 @@
+"""Whether a rerun of knob-ablation cells on other samples agrees with the ablation: for every effect of the
+rerun's setting in ``ablation.csv`` (``python -m pcs.report``), the same effect (method, budget, conventions,
+reading, baseline) in the ablation's setting, on the mean over tasks.
+
+    python scripts/compare_rerun.py results/embedded/report/ablation.csv \\
+        --ablation lengths=2048_tasks=niah_single_1+niah_single_2 \\
+        --rerun lengths=2048_n_samples=100_seed=43_tasks=niah_single_1+niah_single_2
+
+The two estimates come from independent samples, so their difference has a 95 % interval of about
++-sqrt(h1^2 + h2^2) (h: each one's half-width). A rerun agrees where that interval contains zero; the table also
+says whether the rerun's delta falls inside the ablation's own interval. Exits 1 if any effect disagrees.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import pandas as pd
+
+KEY = ["model", "method", "budget", "conventions", "selection", "knobs", "against"]
+
+
+def compare(effects: pd.DataFrame, ablation: str, rerun: str) -> pd.DataFrame:
+    mean = effects[effects["domain"] == "average"].fillna({"conventions": "", "knobs": ""})
+    a, r = mean[mean["setting"] == ablation], mean[mean["setting"] == rerun]
+    if r.empty or a.empty:
+        raise SystemExit(f"no effects for setting {ablation if a.empty else rerun} in the file")
+    both = r.merge(a, on=KEY, suffixes=("_rerun", "_ablation"))
+    both["difference"] = both["delta_rerun"] - both["delta_ablation"]
+    both["difference_half_width"] = [math.hypot(x, y) for x, y in zip(both["half_width_rerun"],
+                                                                      both["half_width_ablation"])]
+    both["agrees"] = both["difference"].abs() <= both["difference_half_width"]
+    both["inside_ablation_interval"] = ((both["ci_low_ablation"] <= both["delta_rerun"])
+                                        & (both["delta_rerun"] <= both["ci_high_ablation"]))
+    return both
+
+
+def markdown(both: pd.DataFrame) -> str:
+    lines = ["| method | budget | reading | against | ablation (n) | rerun (n) | difference | agrees | rerun inside |",
+             "|---|---:|---|---|---|---|---|---|---|"]
+    for _, row in both.iterrows():
+        reading = " ".join(filter(None, [row["conventions"], row["selection"], row["knobs"]]))
+        lines.append(
+            f"| {row['method']} | {row['budget']} | {reading} | {row['against']} | "
+            f"{row['delta_ablation']:+.1f} [{row['ci_low_ablation']:+.1f}, {row['ci_high_ablation']:+.1f}] "
+            f"({row['n_ablation']}) | {row['delta_rerun']:+.1f} [{row['ci_low_rerun']:+.1f}, "
+            f"{row['ci_high_rerun']:+.1f}] ({row['n_rerun']}) | {row['difference']:+.1f} "
+            f"+-{row['difference_half_width']:.1f} | {'yes' if row['agrees'] else 'no'} | "
+            f"{'yes' if row['inside_ablation_interval'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("ablation_csv")
+    parser.add_argument("--ablation", required=True, help="the ablation's setting (ablation.csv's column)")
+    parser.add_argument("--rerun", required=True, help="the rerun's setting")
+    args = parser.parse_args(argv)
+    both = compare(pd.read_csv(args.ablation_csv), args.ablation, args.rerun)
+    print(markdown(both))
+    print(f"\n{int(both['agrees'].sum())} of {len(both)} effects agree; "
+          f"{int(both['inside_ablation_interval'].sum())} reruns fall inside the ablation's interval")
+    return 0 if both["agrees"].all() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
