@@ -177,10 +177,12 @@ def execute(cells: list[Cell], shard: tuple[int, int] = (0, 1)) -> list[dict | N
             bar.close()
     wall_time_s = round(time.time() - started, 2)
     order = {sample.id: i for i, sample in enumerate(samples)}
-    engine_used = {"pool": pool.size, "cuda_graphs": pool.graphs is not None,
-                   "stop_when_scored": bool(engine.get("stop_when_scored", False))}
+    engine_used = {"pool": pool.size, "cuda_graphs": pool.graphs is not None}
+
+    def used_by(c: Cell) -> dict:     # the pool is the group's; when answers stop, each cell's own config says
+        return {**engine_used, "stop_when_scored": bool((c.cfg.get("engine") or {}).get("stop_when_scored", False))}
     return [merged(cell, samples, shard, lambda c: summarize(c, model, started_at, wall_time_s, len(cells), order,
-                                                            engine_used, shard[1]))
+                                                            used_by(c), shard[1]))
             for cell in cells]
 
 

@@ -162,14 +162,15 @@ def test_stop_when_scored_is_refused_where_a_score_can_still_change():
 @pytest.mark.slow
 def test_answers_stopped_when_scored_keep_every_score(embedded_dir, tmp_path):
     """engine.stop_when_scored on the embedded model: the same scores as decoding every answer to its end, each
-    stopped answer the start of the whole one, fewer tokens decoded where an answer was decided early."""
-    from pcs.runner import run
+    stopped answer the start of the whole one, fewer tokens decoded where an answer was decided early. The two
+    runs share each prefill (one group), each decoding by its own config."""
+    from pcs.runner import run_cells
+    cfgs = [compose_cfg("benchmark=ruler", "benchmark.lengths=[1024]", "benchmark.tasks=[niah_single_1]",
+                        "benchmark.n_samples=3", f"benchmark.cache_dir={tmp_path}", f"results_dir={tmp_path / flag}",
+                        "method=snapkv", "budget=256", f"engine.stop_when_scored={flag}", "progress=false")
+            for flag in ("false", "true")]
     rows = {}
-    for flag in ("false", "true"):
-        cfg = compose_cfg("benchmark=ruler", "benchmark.lengths=[1024]", "benchmark.tasks=[niah_single_1]",
-                          "benchmark.n_samples=4", f"benchmark.cache_dir={tmp_path}", f"results_dir={tmp_path / flag}",
-                          "method=snapkv", "budget=256", f"engine.stop_when_scored={flag}", "progress=false")
-        metrics = run(cfg)
+    for flag, metrics in zip(("false", "true"), run_cells(cfgs)):
         assert metrics["engine"]["stop_when_scored"] == (flag == "true")
         (predictions,) = (tmp_path / flag).rglob("predictions.jsonl")
         rows[flag] = {r["id"]: r for r in map(json.loads, predictions.read_text().splitlines())}
