@@ -7,8 +7,9 @@ The runs must share their samples and prefill (one sweep group: the same model a
 needle tasks of RULER); the group's full-cache run is found beside them. For each of the first ``--samples``
 samples of each task:
 
-- the needle's value tokens: the context positions whose text overlaps an expected answer (``outputs``);
-- per run and (layer, KV head): the share of those positions the run's method keeps, from the prefill a run does
+- the needle's value tokens: the context positions whose text overlaps an expected answer (``outputs``), and its
+  key tokens: the rest of the needle's sentence ("One of the special magic numbers for <key> is:");
+- per run and (layer, KV head): the share of each the run's method keeps, from the prefill a run does
   (``run_prefill``: each method's own kept entries; ``tests/test_perturbation.py`` holds them to the engine's);
 - on the full cache, while it decodes its own answer (the question first, when the run feeds it after
   compression): per (layer, query head), the attention mass on those positions, averaged over the answer's
@@ -28,7 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .benchmarks.ruler_data import NEEDLE
+
 MAX_STEPS = 16          # answer steps the full cache's attention is recorded over
+NEEDLE_START = NEEDLE.split("{")[0]     # how RULER's needle sentence begins: "One of the special magic "
 
 
 def value_positions(tokenizer, ids: list[int], values: list[str]) -> list[int]:
@@ -46,6 +50,25 @@ def value_positions(tokenizer, ids: list[int], values: list[str]) -> list[int]:
             found.update(range(first, last + 1))
             at = text.find(value, at + 1)
     return sorted(found)
+
+
+def key_positions(tokenizer, ids: list[int], values: list[str]) -> list[int]:
+    """Positions of the needle sentences' other tokens: from where the sentence of each occurrence of ``values``
+    begins (RULER's needle template) up to the value, the value's own tokens left out."""
+    pieces = [tokenizer.decode([t]) for t in ids]
+    starts = np.cumsum([0] + [len(p) for p in pieces])
+    text = "".join(pieces)
+    found = set()
+    for value in values:
+        at = text.find(value)
+        while at >= 0:
+            begin = text.rfind(NEEDLE_START, 0, at)
+            if begin >= 0:
+                first = int(np.searchsorted(starts, begin, side="right")) - 1
+                last = int(np.searchsorted(starts, at, side="right")) - 1    # the token where the value starts
+                found.update(range(first, last))
+            at = text.find(value, at + 1)
+    return sorted(found - set(value_positions(tokenizer, ids, values)))
 
 
 def kept_share(kept, positions: list[int], n_layers: int) -> list[list[float] | None]:
@@ -130,13 +153,15 @@ def analyse(run_dirs: list[Path], n_samples: int) -> dict:
         per_task[task] = per_task.get(task, 0) + 1
         prompt = benchmark.encode(sample, tokenizer, first.model)
         positions = value_positions(tokenizer, prompt.context, list(sample.meta["outputs"]))
+        key = key_positions(tokenizer, prompt.context, list(sample.meta["outputs"]))
         prefill = run_prefill(model, torch.tensor([prompt.context]), methods)
         n_layers = model.config.num_hidden_layers
         rows.append({
-            "id": sample.id, "task": task, "needle_positions": positions,
+            "id": sample.id, "task": task, "needle_positions": positions, "key_positions": key,
             "full_score": scores[full_dir][sample.id],
             "retrieval": retrieval_mass(model, prefill, positions, prompt.question, stops),
-            "runs": {str(r): {"score": scores[r][sample.id], "kept": kept_share(prefill.kept[str(r)], positions, n_layers)}
+            "runs": {str(r): {"score": scores[r][sample.id], "kept": kept_share(prefill.kept[str(r)], positions, n_layers),
+                              "kept_key": kept_share(prefill.kept[str(r)], key, n_layers)}
                      for r in compressed}})
         print(f"[pcs] {sample.id}: needle at {positions[:1]}..{positions[-1:]} ({len(positions)} tokens)", flush=True)
     return {"model": first.model.name, "full_run": str(full_dir), "runs": [str(r) for r in compressed],

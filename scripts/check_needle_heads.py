@@ -13,7 +13,9 @@ pcs's engine, caches, methods or ``run_prefill``:
   head's query group, the top ``budget - window`` prefix positions (a tie to the earlier one) plus the window;
   the share of the needle's positions kept, per (layer, KV head);
 - **the needle's positions**: the tokens whose decoded text overlaps an expected answer, found by a regular
-  expression over the decoded prompt.
+  expression over the decoded prompt; **its key's positions** (files that have them): the tokens overlapping the
+  needle sentence before the value ("One of the special magic ... is: "), the value's own left out, and SnapKV's
+  kept share of those too.
 
 It prints the largest difference from the file for each quantity and exits non-zero if any exceeds the tolerance.
 """
@@ -40,6 +42,18 @@ def needle_positions(tokenizer, ids: list[int], values: list[str]) -> list[int]:
     text = "".join(tokenizer.decode([t]) for t in ids)
     hits = [(m.start(), m.end()) for v in values for m in re.finditer(re.escape(v), text)]
     return sorted({i for i, (a, b) in enumerate(spans) for s, e in hits if a < e and s < b})
+
+
+def key_positions(tokenizer, ids: list[int], values: list[str], value_tokens: list[int]) -> list[int]:
+    spans, offset = [], 0
+    for token in ids:
+        piece = tokenizer.decode([token])
+        spans.append((offset, offset + len(piece)))
+        offset += len(piece)
+    text = "".join(tokenizer.decode([t]) for t in ids)
+    hits = [(m.start(), m.start(1)) for v in values
+            for m in re.finditer(r"One of the special magic \w+ for [^.\n]+? is: (" + re.escape(v) + ")", text)]
+    return sorted({i for i, (a, b) in enumerate(spans) for s, e in hits if a < e and s < b} - set(value_tokens))
 
 
 def snapkv_kept(attentions, n_kv: int, budget: int, window: int, kernel: int) -> list[list[torch.Tensor]]:
@@ -103,7 +117,7 @@ def main(argv=None) -> int:
     prompts = {s.id: benchmark.encode(s, tokenizer, full_cfg.model) for s in benchmark.samples(tokenizer)}
 
     per_task: dict[str, int] = {}
-    worst = {"positions": 0, "mass": 0.0, "kept": 0.0}
+    worst = {"positions": 0, "mass": 0.0, "kept": 0.0, "key": 0.0}
     for row in analysis["samples"]:
         if per_task.get(row["task"], 0) >= args.samples:
             continue
@@ -115,6 +129,9 @@ def main(argv=None) -> int:
         sample = next(s for s in benchmark.samples(tokenizer) if s.id == row["id"])
         positions = needle_positions(tokenizer, ids, list(sample.meta["outputs"]))
         worst["positions"] = max(worst["positions"], int(positions != row["needle_positions"]))
+        key = key_positions(tokenizer, ids, list(sample.meta["outputs"]), positions) if "key_positions" in row else None
+        if key is not None:
+            worst["positions"] = max(worst["positions"], int(key != row["key_positions"]))
         mass = retrieval_masses(model, ids, positions, stops)
         mass_gap = float((mass - torch.tensor(row["retrieval"])).abs().max())
         with torch.inference_mode():
@@ -128,11 +145,18 @@ def main(argv=None) -> int:
             kept_gap = float((share - torch.tensor(row["runs"][run]["kept"])).abs().max())
             worst["kept"] = max(worst["kept"], kept_gap)
             line += f"; {cfg.method.name} b{cfg.budget} kept share |diff| {kept_gap:.3f}"
+            if key is not None:
+                wanted = torch.tensor(key)
+                share = torch.tensor([[float(torch.isin(wanted, h).float().mean()) for h in layer] for layer in kept])
+                key_gap = float((share - torch.tensor(row["runs"][run]["kept_key"])).abs().max())
+                worst["key"] = max(worst["key"], key_gap)
+                line += f", key {key_gap:.3f}"
         worst["mass"] = max(worst["mass"], mass_gap)
         print(line, flush=True)
     print(f"largest differences: needle positions {worst['positions']} samples differ, retrieval mass "
-          f"{worst['mass']:.2e} (tolerance {TOLERANCE_MASS:g}), kept share {worst['kept']:.3f} (must be 0)")
-    return int(worst["positions"] > 0 or worst["mass"] > TOLERANCE_MASS or worst["kept"] > 0)
+          f"{worst['mass']:.2e} (tolerance {TOLERANCE_MASS:g}), kept share {worst['kept']:.3f}, key's kept share "
+          f"{worst['key']:.3f} (both must be 0)")
+    return int(worst["positions"] > 0 or worst["mass"] > TOLERANCE_MASS or worst["kept"] > 0 or worst["key"] > 0)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from pcs.engine import Cell, prefill as engine_prefill
 from pcs.eviction import build_method
 from pcs.identity import RunIdentity
 from pcs.models import load_model, stop_token_ids
-from pcs.needle_heads import MAX_STEPS, analyse, value_positions
+from pcs.needle_heads import MAX_STEPS, analyse, key_positions, value_positions
 from pcs.report.needle_heads import needle_kept, summary
 from pcs.run_folder import load_config
 from pcs.runner import run
@@ -47,6 +47,16 @@ def test_the_needle_positions_decode_to_the_value(embedded_dir):
     assert "8204517" in tokenizer.decode([ids[p] for p in positions])
     assert "8204517" not in tokenizer.decode([ids[p] for p in positions[1:]])   # no token more than needed
     assert "8204517" not in tokenizer.decode([ids[p] for p in positions[:-1]])
+
+
+def test_the_key_positions_are_the_rest_of_the_needle_sentence(embedded_dir):
+    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    text = "Some filler. One of the special magic numbers for quiet-owl is: 8204517. More filler 8204 here."
+    ids = tokenizer(text).input_ids
+    key, value = key_positions(tokenizer, ids, ["8204517"]), value_positions(tokenizer, ids, ["8204517"])
+    assert key == list(range(key[0], value[0]))                       # contiguous, up to the value
+    assert tokenizer.decode([ids[p] for p in key]).strip() == "One of the special magic numbers for quiet-owl is:"
+    assert key_positions(tokenizer, tokenizer("no needle 8204517 here").input_ids, ["8204517"]) == []
 
 
 def eager_mass(model, context, positions, stops):
@@ -107,6 +117,9 @@ def test_the_analysis_matches_independent_recomputations(runs, tiny_model_dir):
             method = build_method(load_config(run_dir))
             got = row["runs"][str(run_dir)]["kept"]
             np.testing.assert_allclose(got, kept_by_cache(model, context, method, row["needle_positions"]), atol=1e-12)
+            assert value not in tokenizer.decode([context[p] for p in row["key_positions"]])
+            np.testing.assert_allclose(row["runs"][str(run_dir)]["kept_key"],
+                                       kept_by_cache(model, context, method, row["key_positions"]), atol=1e-12)
             scores = {json.loads(line)["id"]: json.loads(line)["score"]
                       for line in (run_dir / "predictions.jsonl").read_text().splitlines()}
             assert row["runs"][str(run_dir)]["score"] == scores[row["id"]]
@@ -135,7 +148,8 @@ def test_the_report_draws_each_analysis(tmp_path):
                     {"id": f"s{i}", "task": "niah_single_1", "full_score": 100,
                      "retrieval": [[0.1, 0.2, 0.6, 0.0], [float("nan")] * 4, [0.3, 0.1, 0.0, 0.2]],   # layer 1 slides
                      "runs": {"a": {"score": 100, "kept": [[1.0, 0.5], None, [1.0, 1.0]]},
-                              "b": {"score": 100 * (i % 2), "kept": [[0.0, 0.5 * (i % 2)], None, [1.0, 0.0]]}}}
+                              "b": {"score": 100 * (i % 2), "kept": [[0.0, 0.5 * (i % 2)], None, [1.0, 0.0]],
+                                    "kept_key": [[1.0, 1.0], None, [1.0, (i % 2) * 1.0]]}}}
                     for i in range(4)]}
     folder = tmp_path / "results" / "ruler" / "tiny"
     folder.mkdir(parents=True)
@@ -144,7 +158,9 @@ def test_the_report_draws_each_analysis(tmp_path):
     assert "## Why the needle goes" in lines
     # the 8 heads of layers 0 and 2 are all retrieval heads (top 10); query heads 2h, 2h + 1 share KV head h:
     # right (odd samples) (0 + 0 + .5 + .5 + 1 + 1 + 0 + 0) / 8, lost (even) (1 + 1) / 8
-    assert "| snapkv_perturbation_b64 | 2 | 2 | 38 % / 25 % | 38 % / 25 % |" in lines
+    # its key sentence: right 8 of 8 heads whole, lost 6 of 8 (KV head 1 of layer 2 keeps none)
+    assert "| snapkv_perturbation_b64 | 2 | 2 | 38 % / 25 % | 38 % / 25 % | 100 % / 75 % |" in lines
+    assert "| snapkv_attention_b64 | 4 | 0 | 88 % / - | 88 % / - | - / - |" in lines       # an older file: no key
     figure = tmp_path / "report" / "needle_heads" / "ruler__tiny__needle_heads_b64.png"
     assert figure.stat().st_size > 10_000
 

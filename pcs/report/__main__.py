@@ -84,7 +84,8 @@ def needle_heads_section(results: Path, out: Path) -> list[str]:
     if not files:
         return []
     lines = ["## Why the needle goes", "",
-             "Per (layer, KV head), the share of the needle's value tokens each run kept, and the query heads the full "
+             "Per (layer, KV head), the share of the needle's value tokens (and of the rest of its sentence, the key) "
+             "each run kept, and the query heads the full "
              "cache reads the needle with while it answers (retrieval heads: the 10 with the highest mean attention on "
              "the value over the samples it answers right).", ""]
     for path in files:

@@ -52,25 +52,33 @@ def needle_kept(kept: list, heads: list[tuple[int, int]], n_query_heads: int) ->
 
 def summary(analysis: dict, top: int = TOP_HEADS) -> dict:
     """Retrieval heads, and per run: its answers right (score 100) and lost, on the samples the full cache answers
-    right, and the mean share of the needle kept in the retrieval heads and in every compressed head, for each."""
+    right, and the mean share of the needle's value kept in the retrieval heads and in every compressed head, for
+    each; and of its key sentence in the retrieval heads (None for an analysis written before key tokens were
+    measured)."""
     heads = top_heads(analysis, top)
+    n_q = analysis["n_query_heads"]
     out = {"retrieval_heads": heads, "runs": {}}
     for run in analysis["runs"]:
-        buckets: dict[str, list[tuple[float, float]]] = {"right": [], "lost": []}
+        buckets: dict[str, list[tuple]] = {"right": [], "lost": []}
         for s in analysis["samples"]:
             if s["full_score"] != 100:
                 continue
-            kept = s["runs"][run]["kept"]
-            every = [(l, h) for l, layer in enumerate(kept) if layer is not None
-                     for h in range(analysis["n_query_heads"])]
-            bucket = "right" if s["runs"][run]["score"] == 100 else "lost"
-            buckets[bucket].append((needle_kept(kept, heads, analysis["n_query_heads"]),
-                                    needle_kept(kept, every, analysis["n_query_heads"])))
+            got = s["runs"][run]
+            kept = got["kept"]
+            every = [(l, h) for l, layer in enumerate(kept) if layer is not None for h in range(n_q)]
+            key = needle_kept(got["kept_key"], heads, n_q) if "kept_key" in got else None
+            bucket = "right" if got["score"] == 100 else "lost"
+            buckets[bucket].append((needle_kept(kept, heads, n_q), needle_kept(kept, every, n_q), key))
+
+        def mean(values):
+            values = [v for v in values if v is not None]
+            return float(np.mean(values)) if values else None
         out["runs"][run] = {
             "label": analysis["labels"][run],
             **{f"n_{b}": len(v) for b, v in buckets.items()},
-            **{f"kept_retrieval_{b}": float(np.mean([x for x, _ in v])) if v else None for b, v in buckets.items()},
-            **{f"kept_all_{b}": float(np.mean([y for _, y in v])) if v else None for b, v in buckets.items()}}
+            **{f"kept_retrieval_{b}": mean([x[0] for x in v]) for b, v in buckets.items()},
+            **{f"kept_all_{b}": mean([x[1] for x in v]) for b, v in buckets.items()},
+            **{f"key_retrieval_{b}": mean([x[2] for x in v]) for b, v in buckets.items()}}
     return out
 
 
@@ -102,12 +110,14 @@ def markdown(analysis: dict, name: str) -> list[str]:
              f"{len(analysis['samples'])} samples, {right} answered right by the full cache (the rows count those). "
              f"Retrieval heads (layer, query head), highest mean attention on the needle's value first: "
              + ", ".join(f"({l}, {h})" for l, h in got["retrieval_heads"]) + ".", "",
-             "| run | right | lost | needle kept in retrieval heads: right / lost | in every compressed head: right / lost |",
-             "|---|---:|---:|---|---|"]
+             "| run | right | lost | needle's value kept in retrieval heads: right / lost | in every compressed head: "
+             "right / lost | its key sentence in retrieval heads: right / lost |",
+             "|---|---:|---:|---|---|---|"]
 
     def pct(v):
         return "-" if v is None else f"{100 * v:.0f} %"
     for run, r in got["runs"].items():
         lines.append(f"| {r['label']} | {r['n_right']} | {r['n_lost']} | {pct(r['kept_retrieval_right'])} / "
-                     f"{pct(r['kept_retrieval_lost'])} | {pct(r['kept_all_right'])} / {pct(r['kept_all_lost'])} |")
+                     f"{pct(r['kept_retrieval_lost'])} | {pct(r['kept_all_right'])} / {pct(r['kept_all_lost'])} | "
+                     f"{pct(r['key_retrieval_right'])} / {pct(r['key_retrieval_lost'])} |")
     return lines + [""]
