@@ -35,39 +35,43 @@ MAX_STEPS = 16          # answer steps the full cache's attention is recorded ov
 NEEDLE_START = NEEDLE.split("{")[0]     # how RULER's needle sentence begins: "One of the special magic "
 
 
+def decoded(tokenizer, ids: list[int]) -> tuple[str, np.ndarray]:
+    """The text of ``ids`` token by token, and where each token's piece starts in it (one more: the end)."""
+    pieces = [tokenizer.decode([t]) for t in ids]
+    return "".join(pieces), np.cumsum([0] + [len(p) for p in pieces])
+
+
+def occurrences(text: str, value: str):
+    at = text.find(value)
+    while at >= 0:
+        yield at
+        at = text.find(value, at + 1)
+
+
 def value_positions(tokenizer, ids: list[int], values: list[str]) -> list[int]:
     """Positions of the tokens whose decoded text overlaps an occurrence of any of ``values``."""
-    pieces = [tokenizer.decode([t]) for t in ids]
-    starts = np.cumsum([0] + [len(p) for p in pieces])
-    text = "".join(pieces)
+    text, starts = decoded(tokenizer, ids)
     found = set()
     for value in values:
-        at = text.find(value)
-        while at >= 0:
-            end = at + len(value)
+        for at in occurrences(text, value):
             first = int(np.searchsorted(starts, at, side="right")) - 1
-            last = int(np.searchsorted(starts, end, side="left")) - 1
+            last = int(np.searchsorted(starts, at + len(value), side="left")) - 1
             found.update(range(first, last + 1))
-            at = text.find(value, at + 1)
     return sorted(found)
 
 
 def key_positions(tokenizer, ids: list[int], values: list[str]) -> list[int]:
     """Positions of the needle sentences' other tokens: from where the sentence of each occurrence of ``values``
     begins (RULER's needle template) up to the value, the value's own tokens left out."""
-    pieces = [tokenizer.decode([t]) for t in ids]
-    starts = np.cumsum([0] + [len(p) for p in pieces])
-    text = "".join(pieces)
+    text, starts = decoded(tokenizer, ids)
     found = set()
     for value in values:
-        at = text.find(value)
-        while at >= 0:
+        for at in occurrences(text, value):
             begin = text.rfind(NEEDLE_START, 0, at)
             if begin >= 0:
                 first = int(np.searchsorted(starts, begin, side="right")) - 1
                 last = int(np.searchsorted(starts, at, side="right")) - 1    # the token where the value starts
                 found.update(range(first, last))
-            at = text.find(value, at + 1)
     return sorted(found - set(value_positions(tokenizer, ids, values)))
 
 

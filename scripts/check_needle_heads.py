@@ -33,27 +33,30 @@ TOLERANCE_MASS = 1e-4   # float32 attention through two code paths (eager here, 
 MAX_STEPS = 16
 
 
-def needle_positions(tokenizer, ids: list[int], values: list[str]) -> list[int]:
+def token_spans(tokenizer, ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
+    """The decoded text and each token's (start, end) in it."""
     spans, offset = [], 0
     for token in ids:
         piece = tokenizer.decode([token])
         spans.append((offset, offset + len(piece)))
         offset += len(piece)
-    text = "".join(tokenizer.decode([t]) for t in ids)
-    hits = [(m.start(), m.end()) for v in values for m in re.finditer(re.escape(v), text)]
-    return sorted({i for i, (a, b) in enumerate(spans) for s, e in hits if a < e and s < b})
+    return "".join(tokenizer.decode([t]) for t in ids), spans
+
+
+def overlapping(spans: list[tuple[int, int]], hits: list[tuple[int, int]]) -> set[int]:
+    return {i for i, (a, b) in enumerate(spans) for s, e in hits if a < e and s < b}
+
+
+def needle_positions(tokenizer, ids: list[int], values: list[str]) -> list[int]:
+    text, spans = token_spans(tokenizer, ids)
+    return sorted(overlapping(spans, [(m.start(), m.end()) for v in values for m in re.finditer(re.escape(v), text)]))
 
 
 def key_positions(tokenizer, ids: list[int], values: list[str], value_tokens: list[int]) -> list[int]:
-    spans, offset = [], 0
-    for token in ids:
-        piece = tokenizer.decode([token])
-        spans.append((offset, offset + len(piece)))
-        offset += len(piece)
-    text = "".join(tokenizer.decode([t]) for t in ids)
+    text, spans = token_spans(tokenizer, ids)
     hits = [(m.start(), m.start(1)) for v in values
             for m in re.finditer(r"One of the special magic \w+ for [^.\n]+? is: (" + re.escape(v) + ")", text)]
-    return sorted({i for i, (a, b) in enumerate(spans) for s, e in hits if a < e and s < b} - set(value_tokens))
+    return sorted(overlapping(spans, hits) - set(value_tokens))
 
 
 def snapkv_kept(attentions, n_kv: int, budget: int, window: int, kernel: int) -> list[list[torch.Tensor]]:
