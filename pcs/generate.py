@@ -23,7 +23,7 @@ class RunContext:
     methods: dict                   # variant key -> Method (one for a generation benchmark)
     stop_token_ids: set[int]
     cfg: object                     # the run's whole config
-    benchmark: object = None        # the run's benchmark: when its answers are decided (engine.stop_when_scored)
+    benchmark: object               # the run's benchmark: when its answers are decided (engine.stop_when_scored)
 
     @property
     def method(self) -> Method:
@@ -59,7 +59,7 @@ Request = tuple[Sample, PromptIds, list[RunContext]]   # a sample, its encoded p
 def settled_test(cell: RunContext, sample: Sample):
     """With ``engine.stop_when_scored``, the test that ends the cell's answer once its benchmark's score of it is
     decided (``Benchmark.settled``), on the tokens decoded as the prediction is; otherwise None."""
-    if not (cell.cfg.get("engine") or {}).get("stop_when_scored") or cell.benchmark is None:
+    if not (cell.cfg.get("engine") or {}).get("stop_when_scored"):
         return None
     test = cell.benchmark.settled(sample)
     if test is None:

@@ -10,6 +10,7 @@ the first decoding step measured on each variant's cache), which method configs 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Callable
 
@@ -71,9 +72,14 @@ class Benchmark:
         """Whether an answer's text so far already decides its score, for a benchmark that declares ``_settles_``
         (a score that can only rise as the answer grows): once it is 100, no later token can change it. None:
         the score may still change (F1, ROUGE: more words can lower it)."""
-        if not declared("benchmark", self.cfg.name, "settles", False):
+        if not self.settles:
             return None
         return lambda text: self.score({"prediction": text, **sample.meta}) == 100.0
+
+    @cached_property
+    def settles(self) -> bool:
+        """The option file's ``_settles_`` declaration, read once (``settled`` is asked for every sample)."""
+        return bool(declared("benchmark", self.cfg.name, "settles", False))
 
     def data_hashes(self) -> dict:
         """SHA-256 of the data and prompt templates the samples come from (provenance)."""
