@@ -105,7 +105,7 @@ class Ruler(Benchmark):
         return default_lengths(self.run_cfg.model.context_window)
 
     @cached_property
-    def words(self) -> list[str]:
+    def words(self) -> tuple[str, ...]:
         return needle_words(word_lists())
 
     @cached_property

@@ -16,13 +16,14 @@ Torch-free: the tokenizer is any callable that counts a text's tokens.
 """
 from __future__ import annotations
 
+import functools
 import random
 import re
 import string
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -61,10 +62,14 @@ NIAH = {
 NIAH_NEW_TOKENS = 128
 
 
-def needle_words(word_lists: Path) -> list[str]:
-    """RULER's random keys: every ``adjective-noun`` of wonderwords' lists, sorted."""
+@functools.cache
+def needle_words(word_lists: Path) -> tuple[str, ...]:
+    """RULER's random keys: every ``adjective-noun`` of wonderwords' lists, sorted.
+
+    6.2 million keys take seconds to build and sort, so a process builds them once (a tuple: shared, never
+    changed) however many benchmarks, tasks and lengths it generates samples for."""
     read = lambda name: [w for w in (word_lists / name).read_text().splitlines() if w.strip()]
-    return sorted({f"{adj}-{noun}" for adj in read("adjectivelist.txt") for noun in read("nounlist.txt")})
+    return tuple(sorted({f"{adj}-{noun}" for adj in read("adjectivelist.txt") for noun in read("nounlist.txt")}))
 
 
 def essay_words(files: list[Path]) -> list[str]:
@@ -82,7 +87,7 @@ def split_sentences(text: str) -> list[str]:
 class NiahGenerator:
     """Samples of one niah task at ``length`` tokens: prompt + answer prefix + 128 new tokens fit in it."""
 
-    def __init__(self, task: NiahTask, n_tokens: Callable[[str], int], length: int, words: list[str],
+    def __init__(self, task: NiahTask, n_tokens: Callable[[str], int], length: int, words: Sequence[str],
                  essay: list[str] | None = None, seed: int = 42):
         self.task, self.n_tokens, self.length, self.words, self.essay, self.seed = task, n_tokens, length, words, essay, seed
         self.rng = random.Random(seed)
@@ -534,7 +539,7 @@ TASKS = {**{name: TaskSpec(NIAH_NEW_TOKENS, " The special magic", r"What (?:is|a
             for name in QA_SOURCES}}
 
 
-def generate(task: str, n_tokens: Callable[[str], int], length: int, count: int, seed: int, words: list[str],
+def generate(task: str, n_tokens: Callable[[str], int], length: int, count: int, seed: int, words: Sequence[str],
              essay: list[str] | None, vocabulary: list[str] | None = None, qa: QaData | None = None) -> list[dict]:
     """``count`` samples of ``task`` at ``length`` tokens: ``input`` (RULER's, answer prefix included),
     ``outputs``, ``length`` (RULER's token count). ``words``: the needles' keys; ``essay``: the essay
