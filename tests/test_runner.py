@@ -1,9 +1,9 @@
 """The run folder contract: files, fields, resume, skip, refusal, and fail-fast config errors."""
 import json
 import os
+import resource
 import subprocess
 import sys
-import time
 from types import SimpleNamespace
 from pathlib import Path
 
@@ -135,20 +135,22 @@ def test_unknown_option_lists_valid_ones():
     (["-m", "method=snapkv", "hydra.launcher.shards=0"], ["hydra.launcher.shards=0"]),
     (["-m", "method=snapkv", "hydra/launcher=slurm", "hydra.launcher.shards=2", "selection.alpha=-1"],
      ["selection.alpha=-1"])])
-def test_cli_reports_config_errors_before_torch_loads_in_under_two_seconds(tmp_path, overrides, expected):
+def test_cli_reports_config_errors_before_torch_loads_in_under_two_cpu_seconds(tmp_path, overrides, expected):
     """A torch that cannot be imported sits first on the path: the error must come without it, and fast, in a
-    run and in a sweep (before any job is submitted)."""
+    run and in a sweep (before any job is submitted). Fast is the child's CPU time, which a busy machine does not
+    stretch as it stretches wall time."""
     fake = tmp_path / "fake"
     (fake / "torch").mkdir(parents=True)
     (fake / "torch" / "__init__.py").write_text("raise ImportError('torch imported before the config was checked')")
     env = {**os.environ, "PYTHONPATH": str(fake)}
-    start = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run([sys.executable, "run.py", *overrides, f"results_dir={tmp_path}",
                            f"hydra.sweep.dir={tmp_path}/multirun"], cwd=ROOT, capture_output=True, text=True, env=env)
-    elapsed = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert proc.returncode == 2, proc.stderr
     assert all(text in proc.stderr for text in expected), proc.stderr
-    assert elapsed < 2.0, (elapsed, proc.stderr)
+    assert cpu_s < 2.0, (cpu_s, proc.stderr)
 
 
 def test_full_cache_runs_share_one_folder_whatever_budget_or_selection(tiny_model_dir, tmp_path, monkeypatch):
