@@ -181,7 +181,9 @@ def test_the_bounds_hold_every_computed_score(dtype, gqa):
     exact = stage2.exhaustive()
     spectral = stage2.spectral_bounds()
     assert (spectral >= exact).all()
-    gram, lower = (torch.stack(b) for b in zip(*[stage2.gram_bounds(r, torch.arange(m)) for r in range(n_kv)]))
+    every = torch.arange(m)
+    gram = torch.stack([stage2.gram_bounds(r, every)[0] for r in range(n_kv)])
+    lower = torch.stack([stage2.lower_bounds(r, every, stage2.gram_bounds(r, every)[1]) for r in range(n_kv)])
     assert (gram >= exact).all() and (lower <= exact).all()
     assert (gram <= spectral * 1.01).all()    # the d^2 bound is the tighter, up to the eigenvalue bound's rounding
     # The lower bound is not vacuous: ||y||_1 >= ||y||_2 leaves a sqrt(hidden) gap, plus the rounding room, which
@@ -199,7 +201,7 @@ def test_the_sign_lower_bound_comes_close_to_the_norm_when_values_share_a_direct
     ws = WindowScores(mean, pooled, stage1, values, torch.randn(hidden, n_kv * group * d, generator=g))
     stage2 = Stage2(PerturbationSelection(), ws, torch.zeros(n_kv, m, dtype=torch.bool), [100])
     exact = stage2.exhaustive()[0]
-    lower = stage2.gram_bounds(0, torch.arange(m))[1]
+    lower = stage2.lower_bounds(0, torch.arange(m), stage2.gram_bounds(0, torch.arange(m))[1])
     assert (lower <= exact).all()
     assert (lower / exact).median() > 0.9 and (lower / exact).min() > 1 / math.sqrt(hidden)
 

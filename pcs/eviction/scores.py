@@ -85,12 +85,17 @@ def top_eigenvalue_bound(grams: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class OutputProjection:
-    """What the value-norm bounds need of a layer's output projection, for every query head h:
+    """What the value-norm scores and bounds need of a layer's output projection, for every query head h:
     ``grams`` (H_q, d, d) float32 ``W^O_h W^O_h^T``, so that ``||v W^O_h||_2^2 = v G_h v`` (d^2 multiply-adds per
-    entry instead of d x hidden), and ``top_eigenvalues`` (H_q,) upper bounds of their largest eigenvalues, so
-    that ``||v W^O_h||_2^2 <= lambda ||v||_2^2`` (d)."""
+    entry instead of d x hidden); ``top_eigenvalues`` (H_q,) upper bounds of their largest eigenvalues, so
+    that ``||v W^O_h||_2^2 <= lambda ||v||_2^2`` (d); ``by_input`` (d, H_q, hidden), the weight laid out so that
+    any run of query heads' ``W^O_h`` side by side is a view (``group_weights``: no copy per product), in the
+    weight's dtype (one more copy of the weight per layer); ``abs_row_norms`` (H_q,) float32 ``||(|W^O_h| 1)||_2``,
+    what float32 rounding of ``W^O_h s`` can reach for a sign vector ``s``."""
     grams: torch.Tensor
     top_eigenvalues: torch.Tensor
+    by_input: torch.Tensor
+    abs_row_norms: torch.Tensor
     version: int
 
 
@@ -104,9 +109,11 @@ def output_projection(o_proj_weight: torch.Tensor, d: int) -> OutputProjection:
     if cached is not None and cached.version == o_proj_weight._version and cached.grams.shape[-1] == d:
         return cached
     hidden, qd = o_proj_weight.shape
-    w = o_proj_weight.detach().float().view(hidden, qd // d, d)
+    weight = o_proj_weight.detach().view(hidden, qd // d, d)
+    w = weight.float()
     grams = torch.einsum("ohd,ohe->hde", w, w)
-    projection = OutputProjection(grams, top_eigenvalue_bound(grams), o_proj_weight._version)
+    projection = OutputProjection(grams, top_eigenvalue_bound(grams), weight.permute(2, 1, 0).contiguous(),
+                                  w.abs().sum(0).norm(dim=-1), o_proj_weight._version)
     _projections[o_proj_weight] = projection
     return projection
 
@@ -125,11 +132,10 @@ def quadratic_forms(values: torch.Tensor, grams: torch.Tensor, budget_bytes: int
 
 
 def group_weights(o_proj_weight: torch.Tensor, heads: slice, d: int) -> torch.Tensor:
-    """(d, group * hidden): the slices ``W^O_h`` (d, hidden) of the query heads ``heads`` side by side, a copy, so
-    that ``v @ group_weights(...)`` is every ``v W^O_h`` of the group in one product."""
-    hidden = o_proj_weight.shape[0]
-    w = o_proj_weight[:, heads.start * d:heads.stop * d].view(hidden, -1, d)            # (hidden, group, d)
-    return w.permute(2, 1, 0).reshape(d, -1)
+    """(d, group * hidden): the slices ``W^O_h`` (d, hidden) of the query heads ``heads`` side by side, a view of
+    ``OutputProjection.by_input``, so that ``v @ group_weights(...)`` is every ``v W^O_h`` of the group in one
+    product."""
+    return output_projection(o_proj_weight, d).by_input[:, heads].flatten(1)
 
 
 def norm_tile(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.dtype) -> int:

@@ -138,6 +138,10 @@ POOL = 2
 ROUNDING = 1e-3
 
 
+# Values per row that choose the sign vectors of the lower bound (Stage2.sign_projections).
+SIGN_SAMPLE = 512
+
+
 def first_candidates(k: int) -> int:
     return k + max(k // 8, 32)
 
@@ -197,56 +201,65 @@ class Stage2:
         ``|v . u|`` bounds ``||v W^O_h||_1`` from below in d multiply-adds), and (group, J) the room their float32
         rounding needs per unit of ``||v||``. The signs are those of the outputs of row ``r``'s mean value and of
         that mean one standard deviation either way along its values' first principal component (4 power
-        iterations: no eigensolver, no wait for a GPU): value vectors share much of their direction, so an
-        entry's output mostly has one of these sign patterns and the bound comes close to its norm."""
+        iterations on their covariance: no eigensolver, no wait for a GPU): value vectors share much of their
+        direction, so an entry's output mostly has one of these sign patterns and the bound comes close to its
+        norm."""
         if r not in self._signs:
             d = self.ws.prefix_values.shape[-1]
             eps = torch.finfo(torch.float32).eps
-            w = self.ws.o_proj_weight[:, self.heads(r).start * d:self.heads(r).stop * d].float()
-            w = w.view(self.hidden, self.group, d).permute(1, 2, 0)                          # (group, d, hidden)
-            values = self.ws.prefix_values[r].float()
+            projection = output_projection(self.ws.o_proj_weight, d)
+            w = projection.by_input[:, self.heads(r)].float().transpose(0, 1)                # (group, d, hidden)
+            # The directions only choose which sign vectors to use (any gives a valid bound): the mean and the
+            # (d, d) covariance of an evenly spaced sample of at most SIGN_SAMPLE values choose them as well.
+            values = self.ws.prefix_values[r][::max(1, -(-self.m // SIGN_SAMPLE))].float()
             mean = values.mean(0)
             centred = values - mean
+            covariance = centred.T @ centred / max(1, len(values) - 1)
             component = torch.ones(d, device=values.device)
             for _ in range(4):
-                component = centred.T @ (centred @ component)
+                component = covariance @ component
                 component = component / component.norm().clamp_min(torch.finfo(torch.float32).tiny)
-            spread = (centred @ component).std()
+            spread = (component @ covariance @ component).clamp_min(0).sqrt()
             directions = torch.stack([mean, mean + spread * component, mean - spread * component])  # (J, d)
             signs = torch.einsum("jd,gdo->gjo", directions, w).sign()                         # (group, J, hidden)
             u = torch.einsum("gdo,gjo->gjd", w, signs)                                        # (group, J, d)
             # |fl(v . u) - v . s W| <= ||v|| (||fl(u) - u|| + d eps ||u||), ||fl(u) - u|| <= hidden eps ||(|W| 1)||
-            room = (self.hidden * eps * w.abs().sum(-1).norm(dim=-1))[:, None] + d * eps * u.norm(dim=-1)
+            room = (self.hidden * eps * projection.abs_row_norms[self.heads(r)])[:, None] + d * eps * u.norm(dim=-1)
             self._signs[r] = u, 2 * room
         return self._signs[r]
 
     def gram_bounds(self, r: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(c,) upper and lower bounds of row ``r``'s scores of entries ``idx``. Upper: ``sqrt(hidden) ||y||_2``
-        with ``||y||_2^2 = v G_h v`` (d^2 multiply-adds per entry and query head), within ~25 % of ``||y||_1``
-        when y's entries are of similar size. Lower: the larger of ``||y||_2`` and ``sign_projections``' ``|v . u|``.
-        Room is left for float32's rounding of each and of the exact scores."""
+        """Row ``r``'s entries ``idx``: (c,) upper bounds of their scores, and (group, c) lower bounds of their
+        norms, from ``||y||_2`` with ``||y||_2^2 = v G_h v`` (d^2 multiply-adds per entry and query head):
+        ``sqrt(hidden) ||y||_2`` above, within ~25 % of ``||y||_1`` when y's entries are of similar size, and
+        ``||y||_2`` below. Room is left for float32's rounding of each and of the exact scores."""
         d = self.ws.prefix_values.shape[-1]
         grams = output_projection(self.ws.o_proj_weight, d).grams[self.heads(r)]          # (group, d, d)
         rounding = 2 * d * torch.finfo(torch.float32).eps * grams.flatten(1).norm(dim=-1)  # (group,)
         values = self.ws.prefix_values[r][idx]                                            # (c, d)
         quadratic = quadratic_forms(values, grams, self.ws.prefix_values.nbytes // 2)     # (group, c)
-        squares = values.float().square().sum(-1)
-        room = rounding[:, None] * squares
+        room = rounding[:, None] * values.float().square().sum(-1)
         upper = ((quadratic + room).clamp_min(0) * self.hidden).sqrt()
+        return self.selection.combine(self.attention[r][:, idx], upper) * self.slack, (quadratic - room).clamp_min(0).sqrt()
+
+    def lower_bounds(self, r: int, idx: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+        """(c,) lower bounds of row ``r``'s scores of entries ``idx``: per query head the larger of ``norms``
+        (``gram_bounds``' ``||y||_2``) and ``sign_projections``' ``|v . u|`` (J d multiply-adds per entry and
+        query head, less room for float32's rounding)."""
         u, u_room = self.sign_projections(r)
-        dots = torch.einsum("cd,gjd->gjc", values.float(), u).abs() - u_room[:, :, None] * squares.sqrt()
-        lower = torch.maximum((quadratic - room).clamp_min(0).sqrt(), dots.amax(1).clamp_min(0))
-        attention = self.attention[r][:, idx]
-        return (self.selection.combine(attention, upper) * self.slack,
-                self.selection.combine(attention, lower) / self.slack)
+        values = self.ws.prefix_values[r][idx].float()                                    # (c, d)
+        dots = torch.einsum("cd,gjd->gjc", values, u).abs() - u_room[:, :, None] * values.norm(dim=-1)
+        norms = torch.maximum(norms, dots.amax(1).clamp_min(0))
+        return self.selection.combine(self.attention[r][:, idx], norms) / self.slack
 
     def bounded(self, work: Stage2Work) -> torch.Tensor:
         """(rows, m) scores that keep what ``exhaustive`` keeps: exact for every entry that can reach its row's
         top ``k``, minus infinity elsewhere. Per row, with k entries to choose:
 
-        0. Its best ``POOL x k`` entries by the d bound get the d^2 bounds, upper and lower. An entry whose lower
-           bound beats the row's k-th best upper bound is kept without its exact score: only the k - 1 entries
-           above that could outscore it. One read for all rows: how many each has so (c).
+        0. Its best ``POOL x k`` entries by the d bound get the d^2 bound, and the k - 1 best of those by it a
+           lower bound. An entry whose lower bound beats the row's k-th best upper bound is kept without its exact
+           score: only the k - 1 entries above that could outscore it. One read for all rows: how many each has
+           so (c).
         1. The best of the rest of the pool by the upper bound (``first_candidates`` of k - c, rounded up to
            whole products) get their exact scores. With the c kept, their (k - c)-th best, the cut, is at most the
            row's true k-th best score, so an entry whose bound falls below it cannot reach the top k. One read
@@ -266,15 +279,22 @@ class Stage2:
         work.heads, work.entries, work.layers = work.heads + len(live), work.entries + self.m * len(live), work.layers + 1
 
         # Round 0: the d^2 bounds where computed (each row's pool), the d bound elsewhere; the entries certified.
+        # Only an entry whose upper bound beats the row's k-th best can have a lower bound that does: the sign
+        # vectors' bounds are computed for the k - 1 best of the pool by the upper bound alone.
         spectral = self.spectral_bounds()                                                 # (rows, m)
         bound, pool = spectral.topk(max(pools), dim=-1)
         bound, lower = bound.clone(), torch.full_like(bound, inf)
+        norms = {}
         for r in live:
-            upper, lower[r, :pools[r]] = self.gram_bounds(r, pool[r, :pools[r]])
+            upper, norms[r] = self.gram_bounds(r, pool[r, :pools[r]])
             bound[r, :pools[r]] = torch.minimum(bound[r, :pools[r]], upper)
             work.gram += pools[r]
-        lower.masked_fill_(self.excluded.gather(1, pool), inf)
         kth_upper = self.cuts(spectral.scatter(1, pool, bound))                           # (rows, 1)
+        for r in live:
+            if self.counts[r] > 1:
+                best = bound[r, :pools[r]].topk(min(self.counts[r] - 1, pools[r])).indices
+                lower[r, best] = self.lower_bounds(r, pool[r, best], norms[r][:, best])
+        lower.masked_fill_(self.excluded.gather(1, pool), inf)
         certified = lower > kth_upper                                                     # (rows, max(pools))
         kept = self.read(work, certified.sum(-1))[0]
         work.certified += sum(kept)
