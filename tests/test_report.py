@@ -138,7 +138,7 @@ def test_conventions_and_knob_readings_keep_rows_of_their_own(tmp_path):
     build(root, out, resamples=200)
     report = (out / "report.md").read_text()
     alone = "needle_snapkv_context_lengths=1000"
-    assert f"[{alone}](tables/{alone}.md)" in report and f"## {alone}" not in report
+    assert f"\n- [{alone}](tables/{alone}.md)\n" in report and f"## {alone}" not in report   # one link a line
 
 
 def test_paper_values_stand_beside_measured_cells(results, tmp_path):

@@ -199,8 +199,8 @@ def build(results: Path, out: Path, with_paper: bool = False, resamples: int = R
         alone = sorted(set(tables) - set(compared))
         lines += ["# Tables", ""] + [tables[name].markdown for name in compared]
         if alone:
-            lines += ["Tables of a single cell (no full cache, one budget and selection), not shown here: "
-                      + ", ".join(f"[{name}](tables/{name}.md)" for name in alone), ""]
+            lines += ["Tables of a single cell (no full cache, one budget and selection), not shown here:", ""]
+            lines += [f"- [{name}](tables/{name}.md)" for name in alone] + [""]
         comparisons = write_method_comparisons(df, out)
         if comparisons:
             lines += ["# Methods side by side", "", "Average score per method, conventions (the method's changed knobs "
