@@ -14,6 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
+from omegaconf import OmegaConf
 
 from .benchmarks.alpacaeval_data import write_model_outputs
 from .benchmarks.alpacaeval_judge import annotate_run
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = load_config(args.run_dir)
     bench = cfg.benchmark   # config.yaml holds no judging settings: they come from here
-    bench.judge = group_file("benchmark/judge", args.judge)
+    bench.judge = OmegaConf.to_container(group_file("benchmark/judge", args.judge))   # a copy: edited below
     bench.reference_file = None
     for field, value in (("base_url", args.base_url), ("model", args.model), ("api_key_env", args.api_key_env)):
         if value:

@@ -15,6 +15,7 @@ is enough to name, label and rescore it. Every message names the offending value
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from pathlib import Path
 
@@ -65,18 +66,26 @@ def options(group: str) -> list[str]:
 
 def default_option(group: str) -> str | None:
     """The option a group takes when the command line names none (config.yaml's defaults list)."""
-    for entry in OmegaConf.load(CONF_DIR / "config.yaml").defaults:
+    for entry in _read_only(CONF_DIR / "config.yaml").defaults:
         if isinstance(entry, DictConfig) and group in entry:
             return entry[group]
     return None
 
 
 def group_file(group: str, name: str) -> DictConfig:
-    """The file of one option of a group, as written (declarations and default knobs)."""
+    """The file of one option of a group, as written (declarations and default knobs); read-only, as it is read
+    once per process (a sweep's checks ask for the same files once per run)."""
     path = CONF_DIR / group / f"{name}.yaml"
     if not path.exists():
         raise ConfigError(f"{group}={name!r} is not an option; choose one of: {', '.join(options(group))}")
-    return OmegaConf.load(path)
+    return _read_only(path)
+
+
+@functools.cache
+def _read_only(path: Path) -> DictConfig:
+    node = OmegaConf.load(path)
+    OmegaConf.set_readonly(node, True)
+    return node
 
 
 def is_declaration(key: str) -> bool:

@@ -4,6 +4,7 @@ and the lock that keeps two jobs out of one folder."""
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import socket
@@ -45,6 +46,21 @@ def is_finished(run_dir: Path) -> bool:
 def load_config(run_dir: Path) -> DictConfig:
     """The run folder's saved config, with knobs added since it was saved at its old behaviour."""
     return upgraded(OmegaConf.load(Path(run_dir) / "config.yaml"))
+
+
+def saved_config(run_dir: Path) -> DictConfig:
+    """``load_config``, read-only, read once per process while the file stays the same: the report and its plots
+    ask for each run's config several times (YAML parsing was a third of a report's time)."""
+    path = (Path(run_dir) / "config.yaml").resolve()
+    stat = path.stat()
+    return _read_only_config(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _read_only_config(path: Path, mtime_ns: int, size: int) -> DictConfig:
+    cfg = load_config(path.parent)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
 
 
 def prepare(run_dir: Path, saved_config: str) -> None:

@@ -6,6 +6,7 @@ one job after another), as a SLURM job array (``hydra/launcher=slurm``) or as lo
 ``hydra/launcher=basic`` runs one run at a time, unshared."""
 
 import copy
+import functools
 import json
 import sys
 import time
@@ -30,6 +31,32 @@ from pcs.slurm_queue import ENDED_STATES, queue_states
 from pcs.sweep import describe, plan
 
 CELLS = "pcs_cells="   # a grouped job's one "override": JSON of its runs' override lists and its shard
+
+
+class ComposedOnce:
+    """Hydra's sweeper composes each cell's config to check it, then hands the launcher only the cell's overrides,
+    to compose again (a quarter of a second a cell). Installed as the config loader's ``load_sweep_config`` by the
+    launcher's ``setup``, this keeps the sweeper's composition for the launcher's ``cell_config``, which takes it
+    (and the launcher owns it from then on). A job on a cluster node, unpickled, composes its own cells."""
+
+    def __init__(self, loader) -> None:
+        self.loader, self.kept = loader, {}
+
+    def __call__(self, master_config: DictConfig, sweep_overrides: list[str]) -> DictConfig:
+        key = tuple(sweep_overrides)
+        if key in self.kept:
+            return self.kept.pop(key)
+        self.kept[key] = composed = type(self.loader).load_sweep_config(self.loader, master_config, sweep_overrides)
+        return composed
+
+    def __reduce__(self):
+        return functools.partial, (type(self.loader).load_sweep_config, self.loader)
+
+    @classmethod
+    def install(cls, hydra_context) -> None:
+        loader = hydra_context.config_loader
+        if not isinstance(loader.load_sweep_config, cls):
+            loader.load_sweep_config = cls(loader)
 
 
 def cell_config(hydra_context, config: DictConfig, overrides: Sequence[str], job_num: int) -> DictConfig:
@@ -107,6 +134,7 @@ class GroupingLauncher(Launcher):
 
     def setup(self, *, hydra_context, task_function, config) -> None:
         self.hydra_context, self.config = hydra_context, config
+        ComposedOnce.install(hydra_context)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         setup_globals()
@@ -128,6 +156,10 @@ class Grouped:
     def __init__(self, dry_run: bool = False, shards: int = 1, **params) -> None:
         super().__init__(**params)
         self.dry_run, self.shards = dry_run, shards
+
+    def setup(self, *, hydra_context, task_function, config) -> None:
+        super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
+        ComposedOnce.install(hydra_context)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         cfgs = [cell_config(self.hydra_context, self.config, o, initial_job_idx + i)

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ..identity import RunIdentity  # noqa: E402
-from ..run_folder import load_config  # noqa: E402
+from ..run_folder import saved_config  # noqa: E402
 
 
 def needle_grid(metrics: dict) -> tuple[np.ndarray, list[int], list[int]]:
@@ -36,7 +36,7 @@ def draw_heatmap(ax, metrics: dict, title: str):
 
 
 def needle_heatmap(run_dir: Path, path: Path) -> Path:
-    identity = RunIdentity(load_config(run_dir))
+    identity = RunIdentity(saved_config(run_dir))
     return save_heatmap(json.loads((Path(run_dir) / "metrics.json").read_text()), identity.title, path)
 
 
@@ -54,7 +54,7 @@ def needle_comparison(run_dirs: list[Path], path: Path, budget: int) -> Path | N
     without selection, such as LaProx, fills the first column of its row)."""
     cells = {}
     for run_dir in run_dirs:
-        identity = RunIdentity(load_config(run_dir))
+        identity = RunIdentity(saved_config(run_dir))
         if identity.reads_budget and identity.cfg.budget == budget:
             cells[(identity.cfg.method.name, identity.selection_label)] = run_dir
     methods = list(dict.fromkeys(m for m, _ in cells))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 
 from ..identity import RunIdentity
-from ..run_folder import load_config
+from ..run_folder import saved_config
 from ..plots.ablation import ablation_plot
 from ..plots.needle import needle_comparison, needle_heatmap
 from ..plots.needle_heads import needle_heads_figure
@@ -45,7 +45,7 @@ def needle_section(results: Path, out: Path) -> list[str]:
     folder = out / "needle"
     folder.mkdir(parents=True, exist_ok=True)
     lines = ["## Needle-in-a-Haystack", ""]
-    identities = {r: RunIdentity(load_config(r)) for r in runs}
+    identities = {r: RunIdentity(saved_config(r)) for r in runs}
     for model in sorted({i.cfg.model.name for i in identities.values()}):
         mine = [r for r, i in identities.items() if i.cfg.model.name == model]
         budgets = sorted({identities[r].cfg.budget for r in mine if identities[r].reads_budget})

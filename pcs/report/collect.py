@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..identity import RunIdentity
-from ..run_folder import load_config
+from ..run_folder import saved_config
 
 COLUMNS = ["table", "benchmark", "model", "method", "selection", "budget", "domain", "score", "run_dir", "variant",
            "conventions"]
@@ -57,7 +57,7 @@ def expand_full_rows(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def run_rows(run_dir: Path) -> list[dict]:
-    cfg = load_config(run_dir)
+    cfg = saved_config(run_dir)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     if metrics.get("score") is None or cfg.benchmark.name == "perturbation":
         return []   # not scored yet (AlpacaEval before judging), or an analysis with its own section
@@ -76,7 +76,7 @@ def run_folders(path: Path, benchmark: str | None = None) -> list[Path]:
     for metrics in sorted(Path(path).rglob("metrics.json")):
         folder = metrics.parent
         if (folder / "config.yaml").exists():
-            if benchmark is None or load_config(folder).benchmark.name == benchmark:
+            if benchmark is None or saved_config(folder).benchmark.name == benchmark:
                 found.append(folder)
     return found
 

@@ -20,7 +20,7 @@ import pandas as pd
 from ..benchmarks.longbench_data import DOMAINS
 from ..benchmarks.ruler_data import GROUPS, domain_name
 from ..identity import RunIdentity
-from ..run_folder import load_config
+from ..run_folder import saved_config
 from .savings import equivalent_budget
 
 RESAMPLES, SEED, LEVEL = 10_000, 0, 0.95
@@ -150,7 +150,7 @@ SIGNIFICANCE_COLUMNS = ["model", "benchmark", "variant", "method", "budget", "se
 
 
 def identity(run_dir: Path) -> RunIdentity:
-    return RunIdentity(load_config(run_dir))
+    return RunIdentity(saved_config(run_dir))
 
 
 def significance(run_dirs: list[Path], baseline: str = "attention", resamples: int = RESAMPLES,
