@@ -11,8 +11,8 @@ each task, one prefill on the full cache, and per layer:
 - the share of (query head, prefix entry) pairs whose stage-2 attention is below epsilon (the reading with
   epsilon 0, un-pooled or pooled as the run's ``selection.stage2_source``);
 - the kept entries of five selections of the run's budget: attention-only, the run's knobs with epsilon 0, with
-  ``--epsilon``, with epsilon 1e6 (an entry's ``A`` adds at most 1e-6 of its score: the value-norm ranking) and with
-  un-pooled replaced by pooled attention;
+  ``--epsilon``, with epsilon 1e6 (an entry's ``A`` adds at most 1e-6 of its score: the value-norm ranking) and,
+  for an un-pooled run, with pooled attention;
 - for each, its overlap with the value-norm ranking's kept entries (share of the kept prefix entries both keep, per
   (layer, KV head), averaged) and the share of the needle's value tokens it keeps;
 - each selection's score on these samples, where its run folder exists beside RUN_DIR.
@@ -85,8 +85,9 @@ def main(argv=None) -> int:
     cfgs = {"attention-only": variant(cfg, attention_only=True),
             "epsilon 0": variant(cfg, **base, epsilon=0.0),
             f"epsilon {args.epsilon:g}": variant(cfg, **base, epsilon=args.epsilon),
-            "value-norm ranking (epsilon 1e6)": variant(cfg, **base, epsilon=NORM_RANKING),
-            "epsilon 0, stage 2 pooled": variant(cfg, **{**base, "stage2_source": "pooled"}, epsilon=0.0)}
+            "value-norm ranking (epsilon 1e6)": variant(cfg, **base, epsilon=NORM_RANKING)}
+    if base["stage2_source"] != "pooled":
+        cfgs["epsilon 0, stage 2 pooled"] = variant(cfg, **{**base, "stage2_source": "pooled"}, epsilon=0.0)
     root = results_root(args.run_dir, cfg)
     run_scores = {name: scores(root / RunIdentity(c).folder) for name, c in cfgs.items()}
     methods = {name: build_method(c) for name, c in cfgs.items()}
