@@ -215,3 +215,16 @@ def test_ruler_tables_by_group_and_length_with_stars_and_a_length_plot(tmp_path)
     one_length = score_intervals(list(runs.values()), resamples=500)
     one_length = one_length[one_length["length"] == 2048]
     assert ruler_figure(one_length, deltas, tmp_path / "bars.png", "one length").read_bytes()[:8] == PNG
+
+
+@pytest.mark.parametrize("setting", ["lengths=2048_n_samples=200+300_query_aware=False_tasks=niah_single_1+niah_single_2",
+                                     "lengths=2048", "tasks=" + "x" * 60 + "_seed=43"])
+def test_ablation_panel_titles_break_settings_only_after_underscores(setting):
+    """The ablation figure's panels sit side by side: a setting is broken into lines of about 40 characters, only
+    after an underscore, and reads back whole."""
+    from pcs.plots.ablation import setting_lines
+    lines = setting_lines(setting, width=40).split("\n")
+    assert "".join(lines) == setting
+    assert all(line.endswith("_") for line in lines[:-1])
+    parts = setting.split("_")
+    assert all(len(line) <= 41 or line.rstrip("_") in parts for line in lines)   # a longer line is one whole part

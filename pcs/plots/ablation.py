@@ -2,7 +2,6 @@
 under its own conventions (w/ - w/o) and to the paper's knobs, with their paired 95 % intervals."""
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -15,6 +14,20 @@ MARKERS = {"w/o": ("o", "C0", "w/ - w/o (attention, same conventions)"),
            "paper knobs": ("s", "C1", "reading - paper knobs (same conventions)"),
            "paper conventions": ("^", "C2", "reading - same selection, paper conventions")}
 OFFSETS = {"w/o": -0.2, "paper knobs": 0.0, "paper conventions": 0.2}
+
+
+def setting_lines(setting: str, width: int = 40) -> str:
+    """A run setting (``lengths=2048_n_samples=200+300_query_aware=False_tasks=...``) in lines of at most about
+    ``width`` characters, broken after underscores (never inside a word): a title as wide as one panel."""
+    lines = [""]
+    for part in setting.split("_"):
+        piece = part if not lines[-1] else "_" + part
+        if lines[-1] and len(lines[-1]) + len(piece) > width:
+            lines[-1] += "_"
+            lines.append(part)
+        else:
+            lines[-1] += piece
+    return "\n".join(lines)
 
 
 def reading_name(conventions: str, selection: str, knobs: str) -> str:
@@ -52,7 +65,7 @@ def ablation_plot(effects: pd.DataFrame, path: Path, domain: str = "average") ->
             ax.set_ylim(-0.6, len(names) - 0.4)
             ax.invert_yaxis()
             ax.grid(axis="x", alpha=0.3)
-            ax.set_title(f"{model}, {method}, budget {budget}\n" + "\n".join(textwrap.wrap(setting, 48)), fontsize=8)
+            ax.set_title(f"{model}, {method}, budget {budget}\n" + setting_lines(setting), fontsize=8)
             ax.set_xlabel("difference in score (points)", fontsize=7)
         for ax in axes[row][len(block.groupby(["method", "budget"])):]:
             ax.set_visible(False)
