@@ -13,6 +13,11 @@ from conftest import CONF
 
 READINGS = sorted(p.stem for p in (Path(CONF) / "ablation").glob("*.yaml"))
 SINGLE_KNOBS = ["alpha", "stage2_source", "epsilon", "gqa"]
+# Readings of experiment=ruler_ablation_question_after_epsilon alone: epsilon with each other released knob, and
+# stage 2 by the value norm alone. The full ablations run every other reading.
+EPSILON_PAIRS = [f"epsilon_{knob}" for knob in SINGLE_KNOBS if knob != "epsilon"]
+FOLLOW_UP = [*EPSILON_PAIRS, "value_norm"]
+ABLATION_READINGS = sorted(set(READINGS) - set(FOLLOW_UP))
 
 
 def selection_file(name: str) -> dict:
@@ -34,7 +39,7 @@ def released() -> dict:
 
 def test_the_readings_are_the_documented_ones():
     assert READINGS == sorted(["full", "attention", "paper", *SINGLE_KNOBS, "released_knobs", "kvpress_attention",
-                               "kvpress_paper", "criticalkv"])
+                               "kvpress_paper", "criticalkv", *FOLLOW_UP])
     table = (Path(CONF) / "ablation" / "README.md").read_text()
     assert all(f"| `{reading}` |" in table for reading in READINGS)
 
@@ -47,6 +52,42 @@ def test_a_single_knob_reading_moves_that_knob_alone_to_the_released_value(knob)
     assert {k: v for k, v in reading.items() if k != knob} == {k: v for k, v in paper.items() if k != knob}
     # and under the paper's conventions
     assert compose([f"ablation={knob}"]).profile == compose([]).profile
+
+
+@pytest.mark.parametrize("knob", [k for k in SINGLE_KNOBS if k != "epsilon"])
+def test_an_epsilon_pair_is_the_epsilon_reading_with_one_more_released_knob(knob):
+    epsilon, pair = selection_of("ablation=epsilon"), selection_of(f"ablation=epsilon_{knob}")
+    assert pair == {**epsilon, knob: released()[knob]} != epsilon
+    assert compose([f"ablation=epsilon_{knob}"]).profile == compose([]).profile
+
+
+def test_the_value_norm_reading_ranks_stage_2_by_the_projected_value_norm_alone():
+    """ablation=value_norm keeps stage 1's entries and then the entries with the largest group mean of
+    ``||v W^O_h||_1``, computed here head by head from the weight (brute force), whatever the window attends to."""
+    import torch
+    from pcs.eviction import build_method
+    from pcs.eviction.base import LayerState
+    cfg = compose(["ablation=value_norm", "method=snapkv", "budget=96"])
+    assert selection_of("ablation=value_norm") == {**selection_of("ablation=paper"), "epsilon": 1.0e6}
+    method = build_method(cfg)
+    g = torch.Generator().manual_seed(3)
+    h_q, h_kv, n, d, hidden = 6, 2, 300, 16, 40
+    for trial in range(3):
+        keys, values = torch.randn(h_kv, n, d, generator=g), torch.randn(h_kv, n, d, generator=g)
+        queries = torch.randn(h_q, method.window, d, generator=g) * (0.5 + trial)
+        weight = torch.randn(hidden, h_q * d, generator=g)
+        layer = LayerState(0, 1, keys, values, queries, weight)
+        kept, firsts = method.keep(layer), method.stage1(layer)
+        prefix = n - method.window
+        for h in range(h_kv):
+            heads = range(h * (h_q // h_kv), (h + 1) * (h_q // h_kv))
+            norms = torch.stack([(values[h, :prefix] @ weight[:, q * d:(q + 1) * d].T).abs().sum(-1) for q in heads])
+            mean = norms.mean(0)
+            mean[firsts[h]] = float("-inf")
+            chosen = kept[h][kept[h] < prefix]
+            rest = chosen.numel() - firsts[h].numel()
+            expected = torch.cat([firsts[h], mean.topk(rest).indices]).sort().values
+            assert torch.equal(chosen, expected)
 
 
 def test_every_knob_where_the_released_code_differs_has_its_own_reading():
@@ -80,7 +121,7 @@ def test_the_ablations_baselines_are_the_reference_runs(ablation, reference):
     ref_params = hydra_cfg(f"experiment={reference}").hydra.sweeper.params
     assert str(params.budget) == str(ref_params.budget)
     readings = str(params.ablation).split(",")
-    assert sorted(readings) == [r for r in READINGS if r != "full"]     # the full cache is the reference runs'
+    assert sorted(readings) == [r for r in ABLATION_READINGS if r != "full"]   # the full cache: the reference runs'
     for method in str(params.method).split(","):
         for budget in str(params.budget).split(","):
             runs = {r: RunIdentity(compose([f"experiment={ablation}", f"method={method}", f"budget={budget}",
@@ -103,7 +144,7 @@ def test_the_gemma_ablation_runs_every_reading_and_the_full_cache_on_one_prefill
     from test_sweeps import hydra_cfg
     params = hydra_cfg("experiment=ruler_ablation_gemma").hydra.sweeper.params
     readings = str(params.ablation).split(",")
-    assert sorted(readings) == READINGS
+    assert sorted(readings) == ABLATION_READINGS
     cfgs = [compose(["experiment=ruler_ablation_gemma", f"ablation={r}", f"budget={params.budget}"]) for r in readings]
     runs = {r: RunIdentity(cfg) for r, cfg in zip(readings, cfgs)}
     assert runs["full"].cfg.method.name == "full" and not runs["full"].reads_budget
@@ -115,15 +156,42 @@ def test_the_gemma_ablation_runs_every_reading_and_the_full_cache_on_one_prefill
     assert len(baselines) == 2 and all(run.pairing_key in baselines for run in runs.values() if run.reads_budget)
 
 
+def test_the_epsilon_follow_up_reuses_the_question_after_ablations_runs():
+    """experiment=ruler_ablation_question_after_epsilon: budget 1,024 of the question-after ablation, its readings
+    that the new ones are compared with land in that ablation's folders, and one prefill per sample."""
+    from pcs.sweep import plan
+    from test_sweeps import hydra_cfg
+    params = hydra_cfg("experiment=ruler_ablation_question_after_epsilon").hydra.sweeper.params
+    readings = str(params.ablation).split(",")
+    assert set(FOLLOW_UP) <= set(readings) and str(params.budget) == "1024"
+    reused = set(readings) - set(FOLLOW_UP)
+    assert reused == {"attention", "paper", *SINGLE_KNOBS}
+    cfgs = []
+    for method in str(params.method).split(","):
+        for reading in readings:
+            cfg = compose(["experiment=ruler_ablation_question_after_epsilon", f"method={method}", "budget=1024",
+                           f"ablation={reading}"])
+            cfgs.append(cfg)
+            if reading in reused:
+                ablation = compose(["experiment=ruler_ablation_question_after", f"method={method}", "budget=1024",
+                                    f"ablation={reading}"])
+                assert RunIdentity(cfg).folder == RunIdentity(ablation).folder
+    assert len({RunIdentity(cfg).folder for cfg in cfgs}) == len(cfgs)
+    assert plan(cfgs) == [list(range(len(cfgs)))]
+
+
 # Per reading, a constant score per sample (so every interval is a point) and what each comparison must find.
 SCORES = {"attention": 40.0, "paper": 30.0, "alpha": 36.0, "kvpress_attention": 50.0, "kvpress_paper": 45.0,
-          "criticalkv": 58.0}
+          "criticalkv": 58.0, "epsilon": 70.0, "epsilon_alpha": 60.0}
 EXPECTED = {   # reading -> {comparison: delta}
     "paper": {"w/o": -10.0},
     "alpha": {"w/o": -4.0, "paper knobs": 6.0},
     "kvpress_attention": {"paper conventions": 10.0},
     "kvpress_paper": {"w/o": -5.0, "paper conventions": 15.0},
     "criticalkv": {"w/o": 8.0, "paper knobs": 13.0},      # its knobs' own paper-conventions reading is not run
+    "epsilon": {"w/o": 30.0, "paper knobs": 40.0},
+    # and against each reading with one of its two knobs back at the paper's value
+    "epsilon_alpha": {"w/o": 20.0, "paper knobs": 30.0, "without alpha": -10.0, "without epsilon": 24.0},
 }
 
 
@@ -178,8 +246,10 @@ def test_the_report_has_a_knob_section_and_figure(tmp_path):
     assert main(["--results", str(root), "--out", str(tmp_path / "report"), "--resamples", "200"]) == 0
     report = (tmp_path / "report" / "report.md").read_text()
     assert "## Selection knobs" in report and "![selection knobs](ablation.png)" in report
-    assert "| snapkv | 256 | paper | perturbation_alpha=0.5 | 41.0 | 12 | -4.0* [-4.0, -4.0] | +6.0* [+6.0, +6.0] | - |" \
+    assert "| snapkv | 256 | paper | perturbation_alpha=0.5 | 41.0 | 12 | -4.0* [-4.0, -4.0] | +6.0* [+6.0, +6.0] | - | - |" \
         in report
+    assert ("| snapkv | 256 | paper | perturbation_alpha=0.5_epsilon=0.0001 | 65.0 | 12 | +20.0* [+20.0, +20.0] | "
+            "+30.0* [+30.0, +30.0] | - | alpha: -10.0* [-10.0, -10.0]; epsilon: +24.0* [+24.0, +24.0] |") in report
     assert (tmp_path / "report" / "ablation.png").stat().st_size > 10_000
 
 

@@ -7,7 +7,9 @@ default's) and its selection (the label with its changed knobs). A reading is co
 - ``w/o``: attention-only selection under the same conventions (the selection's effect);
 - ``paper knobs``: the perturbation selection with every knob at its default, same conventions (what the
   reading's knobs change);
-- ``paper conventions``: the same selection under the default conventions (what the conventions change).
+- ``paper conventions``: the same selection under the default conventions (what the conventions change);
+- ``without <knob>``, for a reading with two or more changed knobs: the reading with that knob back at its
+  default, same conventions (what the knob changes once the others are in), wherever the group has it.
 Each difference is a paired stratified bootstrap (``significance``) on the mean over tasks: ``average`` and, for a
 benchmark scored per length (RULER), the mean at each length.
 """
@@ -42,6 +44,24 @@ class Reading:
         return {"w/o": (self.conventions, ATTENTION),
                 "paper knobs": (self.conventions, default_option("selection")),
                 "paper conventions": ("", self.selection)}[against]
+
+    @property
+    def knob_list(self) -> list[str]:
+        """The changed knobs, ``key=value`` each."""
+        return self.knobs.split(", ") if self.knobs else []
+
+    def one_knob_fewer(self, members: dict[tuple[str, str], Reading]) -> dict[str, Reading]:
+        """``without <key>`` -> the group's reading with that knob of this one's back at its default (same
+        conventions, the other knobs the same), for a reading with two or more changed knobs."""
+        if len(self.knob_list) < 2:
+            return {}
+        found = {}
+        for other in members.values():
+            if other.conventions == self.conventions and other.selection != ATTENTION \
+                    and len(other.knob_list) == len(self.knob_list) - 1 and set(other.knob_list) < set(self.knob_list):
+                (dropped,) = set(self.knob_list) - set(other.knob_list)
+                found[f"without {dropped.split('=')[0]}"] = other
+        return found
 
 
 def readings(run_dirs: list[Path]) -> dict[tuple, dict[tuple[str, str], Reading]]:
@@ -94,10 +114,10 @@ def knob_effects(run_dirs: list[Path], resamples: int = RESAMPLES, seed: int = S
             continue
         model, benchmark, setting, method, budget = group
         for key, reading in sorted(members.items()):
-            for against in COMPARISONS:
-                if reading.selection == ATTENTION and against != "paper conventions":
-                    continue      # attention-only selection is the w/o itself
-                base = members.get(reading.baseline(against))
+            bases = {against: members.get(reading.baseline(against)) for against in COMPARISONS
+                     # attention-only selection is the w/o itself
+                     if reading.selection != ATTENTION or against == "paper conventions"}
+            for against, base in {**bases, **reading.one_knob_fewer(members)}.items():
                 if base is None or base is reading:
                     continue
                 common = {"model": model, "benchmark": benchmark, "setting": setting, "method": method,
@@ -123,18 +143,24 @@ def cell(rows: pd.DataFrame, against: str) -> str:
     return f"{r['delta']:+.1f}{star} [{r['ci_low']:+.1f}, {r['ci_high']:+.1f}]"
 
 
+def fewer_cell(rows: pd.DataFrame) -> str:
+    """Each ``without <knob>`` difference of a reading: ``<knob>: delta [interval]``, ``; ``-joined."""
+    knobs = sorted(a for a in rows["against"] if a.startswith("without "))
+    return "; ".join(f"{a.removeprefix('without ')}: {cell(rows, a)}" for a in knobs) or "-"
+
+
 def markdown(effects: pd.DataFrame, domain: str = "average") -> list[str]:
-    """One table per (model, benchmark, setting): each reading's score and its three differences on ``domain``."""
+    """One table per (model, benchmark, setting): each reading's score and its differences on ``domain``."""
     lines = []
     mine = effects[effects["domain"] == domain]
     for (model, benchmark, setting), block in mine.groupby(["model", "benchmark", "setting"], sort=True):
         lines += [f"### {model}, {benchmark}{', ' + setting if setting else ''}", "",
                   "| method | budget | conventions | selection | score | n | vs w/o | vs paper knobs | "
-                  "vs paper conventions |", "|---|---:|---|---|---:|---:|---|---|---|"]
+                  "vs paper conventions | vs one knob fewer (the knob added) |", "|---|---:|---|---|---:|---:|---|---|---|---|"]
         for (method, budget, conventions, selection), rows in block.groupby(
                 ["method", "budget", "conventions", "selection"], sort=True):
             lines.append(f"| {method} | {budget} | {conventions or 'paper'} | {selection} | {rows['score'].iloc[0]:.1f} | "
                          f"{int(rows['n'].iloc[0])} | {cell(rows, 'w/o')} | {cell(rows, 'paper knobs')} | "
-                         f"{cell(rows, 'paper conventions')} |")
+                         f"{cell(rows, 'paper conventions')} | {fewer_cell(rows)} |")
         lines.append("")
     return lines
