@@ -6,12 +6,14 @@ Only the prompts come from pcs (its RULER builder, so the token ids are the run'
 recomputed here from transformers' eager attention (``output_attentions=True``) and the equations, without
 pcs's engine, caches, methods or ``run_prefill``:
 
-- **retrieval mass**: the full cache answers greedily; at each fed answer token (at most 16, the stop token not
+- **retrieval mass**: the full cache answers greedily (its prompt the context, then the question where the run
+  feeds it after compression, in one forward here); at each fed answer token (at most 16, the stop token not
   fed) the attention each (layer, query head) puts on the needle's positions, averaged over the steps;
 - **SnapKV's kept needle share** under the paper profile with attention selection: the last ``window`` queries'
   softmax attention summed over those queries, max-pooled with ``kernel`` over positions, averaged over each KV
   head's query group, the top ``budget - window`` prefix positions (a tie to the earlier one) plus the window;
-  the share of the needle's positions kept, per (layer, KV head);
+  the share of the needle's positions kept, per (layer, KV head). The window is the context's last queries:
+  with the question after compression it is not in them;
 - **the needle's positions**: the tokens whose decoded text overlaps an expected answer, found by a regular
   expression over the decoded prompt; **its key's positions** (files that have them): the tokens overlapping the
   needle sentence before the value ("One of the special magic ... is: "), the value's own left out, and SnapKV's
@@ -126,8 +128,6 @@ def main(argv=None) -> int:
             continue
         per_task[row["task"]] = per_task.get(row["task"], 0) + 1
         prompt = prompts[row["id"]]
-        if prompt.question:
-            raise SystemExit("this check covers the question-inside setting (the question compressed with the context)")
         ids = prompt.context
         sample = next(s for s in benchmark.samples(tokenizer) if s.id == row["id"])
         positions = needle_positions(tokenizer, ids, list(sample.meta["outputs"]))
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
         key = key_positions(tokenizer, ids, list(sample.meta["outputs"]), positions) if "key_positions" in row else None
         if key is not None:
             worst["positions"] = max(worst["positions"], int(key != row["key_positions"]))
-        mass = retrieval_masses(model, ids, positions, stops)
+        mass = retrieval_masses(model, ids + list(prompt.question or []), positions, stops)
         mass_gap = float((mass - torch.tensor(row["retrieval"])).abs().max())
         with torch.inference_mode():
             attentions = model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
