@@ -8,6 +8,12 @@ score. Printed relative to k for stage 2's two bounds of ``||v W^O_h||_1``: ``sq
 and d^2 bounds per entry, heads with a second round). This sizes ``pcs.eviction.selection.POOL`` and
 ``first_candidates`` (results/bench/README.md).
 
+The band: the entries whose lower bound is at most the k-th best exact score and whose upper bound is at least
+it. No exact top-k that knows only these bounds can skip scoring them (it cannot tell whether they are in), so
+their share of the entries is the floor of the exact norms' share under those bounds. Printed for stage 2's
+bounds (upper: the smaller of the two above; lower: ``Stage2.lower_bounds``) and, to say which side limits it,
+with the lower bound replaced by the exact score.
+
     .venv/bin/python scripts/stage2_candidates.py [--tokens 4096]
 """
 import argparse
@@ -24,7 +30,9 @@ from pcs.generate import greedy_generate
 from pcs.models import weights_location
 
 BOUNDS = ("d bound", "d^2 bound")
-records: list[tuple[int, list[int]]] = []    # per compressed head: k, and per bound the entries at or above the cut
+# per compressed head: k, per bound the entries at or above the cut, the entries, the band, the band with an exact
+# lower bound
+records: list[tuple[int, list[int], int, int, int]] = []
 
 
 def recording(bounded):
@@ -32,12 +40,19 @@ def recording(bounded):
     def wrapper(self, work):
         exact = self.exhaustive()
         every = torch.arange(self.m)
-        gram = torch.stack([self.gram_bound(r, every) for r in range(self.rows)])
-        bounds = (self.spectral_bounds(), gram.masked_fill(self.excluded, -float("inf")))
+        grams = [self.gram_bounds(r, every) for r in range(self.rows)]
+        gram = torch.stack([upper for upper, _ in grams]).masked_fill(self.excluded, -float("inf"))
+        spectral = self.spectral_bounds()
+        upper = torch.minimum(spectral, gram)
         for r, k in enumerate(self.counts):
             if k > 0:
                 kth = exact[r].topk(k).values[-1]
-                records.append((k, [int((bound[r] >= kth).sum()) for bound in bounds]))
+                live = ~self.excluded[r]
+                lower = self.lower_bounds(r, every, grams[r][1])
+                band = int(((upper[r] >= kth) & (lower <= kth) & live).sum())
+                floor = int(((upper[r] >= kth) & (exact[r] <= kth) & live).sum())
+                records.append((k, [int((bound[r] >= kth).sum()) for bound in (spectral, gram)], int(live.sum()),
+                                band, floor))
         return bounded(self, work)
     return wrapper
 
@@ -52,8 +67,9 @@ def main() -> None:
     text = " ".join(path.read_text() for path in essay_files(None))
     ids = torch.tensor([tokenizer(text)["input_ids"][:args.tokens]])
     print("| method | budget | selection | heads | " + " | ".join(f"{b}: depth/k median, p90, max" for b in BOUNDS)
-          + " | exact norms / entries | d^2 bounds / entries | heads with a second round |")
-    print("|---|---:|---|---:|" + "---|" * len(BOUNDS) + "---:|---:|---:|")
+          + " | band / entries | band with an exact lower bound / entries | exact norms / entries "
+            "| d^2 bounds / entries | heads with a second round |")
+    print("|---|---:|---|---:|" + "---|" * len(BOUNDS) + "---:|---:|---:|---:|---:|")
     for method in ("snapkv", "adakv"):
         for budget in (128, 1024):
             for knobs in ("perturbation", "perturbation_released"):
@@ -63,10 +79,13 @@ def main() -> None:
                 work = built.selection.work
                 cells = []
                 for i in range(len(BOUNDS)):
-                    r = sorted(depths[i] / k for k, depths in records)
+                    r = sorted(depths[i] / k for k, depths, *_ in records)
                     cells.append(f"{statistics.median(r):.2f}, {r[int(0.9 * len(r))]:.2f}, {r[-1]:.2f}")
+                # shares of every prefix entry of the heads, as the bounded stage 2's work columns count them
+                entries = work.entries
+                band, floor = (100 * sum(rec[i] for rec in records) / entries for i in (3, 4))
                 print(f"| {method} | {budget} | {knobs} | {len(records)} | " + " | ".join(cells)
-                      + f" | {100 * work.exact_share:.1f} % | {100 * work.gram_share:.1f} % "
+                      + f" | {band:.1f} % | {floor:.1f} % | {100 * work.exact_share:.1f} % | {100 * work.gram_share:.1f} % "
                         f"| {work.widened} of {work.heads} |", flush=True)
 
 
