@@ -8,11 +8,12 @@ score. Printed relative to k for stage 2's two bounds of ``||v W^O_h||_1``: ``sq
 and d^2 bounds per entry, heads with a second round). This sizes ``pcs.eviction.selection.POOL`` and
 ``first_candidates`` (results/bench/README.md).
 
-The band: the entries whose lower bound is at most the k-th best exact score and whose upper bound is at least
-it. No exact top-k that knows only these bounds can skip scoring them (it cannot tell whether they are in), so
-their share of the entries is the floor of the exact norms' share under those bounds. Printed for stage 2's
-bounds (upper: the smaller of the two above; lower: ``Stage2.lower_bounds``) and, to say which side limits it,
-with the lower bound replaced by the exact score.
+The band: the entries of the top k whose lower bound does not beat the (k+1)-th best exact score, and the
+entries outside it whose upper bound reaches the k-th. Even knowing every other entry's exact score, an exact
+top-k that knows only these bounds of an entry of the band cannot tell whether it is in, so the band's share of
+the entries is the floor of the exact norms' share under those bounds. Printed for stage 2's bounds (upper: the
+smaller of the two above; lower: ``Stage2.lower_bounds``) and, to say which side limits it, with the lower bound
+replaced by the exact score (the band is then the entries outside the top k whose upper bound reaches it).
 
     .venv/bin/python scripts/stage2_candidates.py [--tokens 4096]
 """
@@ -30,9 +31,8 @@ from pcs.generate import greedy_generate
 from pcs.models import weights_location
 
 BOUNDS = ("d bound", "d^2 bound")
-# per compressed head: k, per bound the entries at or above the cut, the entries, the band, the band with an exact
-# lower bound
-records: list[tuple[int, list[int], int, int, int]] = []
+# per compressed head: k, per bound the entries at or above the cut, the band, the band with an exact lower bound
+records: list[tuple[int, list[int], int, int]] = []
 
 
 def recording(bounded):
@@ -46,13 +46,15 @@ def recording(bounded):
         upper = torch.minimum(spectral, gram)
         for r, k in enumerate(self.counts):
             if k > 0:
-                kth = exact[r].topk(k).values[-1]
-                live = ~self.excluded[r]
+                best = exact[r].topk(min(k + 1, self.m)).values
+                kth, next_ = best[k - 1], best[-1] if k < self.m else -float("inf")
+                top = exact[r].topk(k).indices
+                inside = torch.zeros(self.m, dtype=torch.bool).index_fill_(0, top, True)
+                outside = ~inside & ~self.excluded[r]
                 lower = self.lower_bounds(r, every, grams[r][1])
-                band = int(((upper[r] >= kth) & (lower <= kth) & live).sum())
-                floor = int(((upper[r] >= kth) & (exact[r] <= kth) & live).sum())
-                records.append((k, [int((bound[r] >= kth).sum()) for bound in (spectral, gram)], int(live.sum()),
-                                band, floor))
+                reaching = int((outside & (upper[r] >= kth)).sum())
+                band = int((inside & (lower <= next_)).sum()) + reaching
+                records.append((k, [int((bound[r] >= kth).sum()) for bound in (spectral, gram)], band, reaching))
         return bounded(self, work)
     return wrapper
 
@@ -83,9 +85,9 @@ def main() -> None:
                     cells.append(f"{statistics.median(r):.2f}, {r[int(0.9 * len(r))]:.2f}, {r[-1]:.2f}")
                 # shares of every prefix entry of the heads, as the bounded stage 2's work columns count them
                 entries = work.entries
-                band, floor = (100 * sum(rec[i] for rec in records) / entries for i in (3, 4))
+                band, band_exact_lower = (100 * sum(rec[i] for rec in records) / entries for i in (2, 3))
                 print(f"| {method} | {budget} | {knobs} | {len(records)} | " + " | ".join(cells)
-                      + f" | {band:.1f} % | {floor:.1f} % | {100 * work.exact_share:.1f} % | {100 * work.gram_share:.1f} % "
+                      + f" | {band:.1f} % | {band_exact_lower:.1f} % | {100 * work.exact_share:.1f} % | {100 * work.gram_share:.1f} % "
                         f"| {work.widened} of {work.heads} |", flush=True)
 
 

@@ -182,15 +182,16 @@ def test_the_epsilon_follow_up_reuses_the_question_after_ablations_runs():
 
 # Per reading, a constant score per sample (so every interval is a point) and what each comparison must find.
 SCORES = {"attention": 40.0, "paper": 30.0, "alpha": 36.0, "kvpress_attention": 50.0, "kvpress_paper": 45.0,
-          "criticalkv": 58.0, "epsilon": 70.0, "epsilon_alpha": 60.0}
+          "criticalkv": 58.0, "epsilon": 70.0, "epsilon_alpha": 60.0, "value_norm": 75.0}
 EXPECTED = {   # reading -> {comparison: delta}
     "paper": {"w/o": -10.0},
     "alpha": {"w/o": -4.0, "paper knobs": 6.0},
     "kvpress_attention": {"paper conventions": 10.0},
     "kvpress_paper": {"w/o": -5.0, "paper conventions": 15.0},
     "criticalkv": {"w/o": 8.0, "paper knobs": 13.0},      # its knobs' own paper-conventions reading is not run
-    "epsilon": {"w/o": 30.0, "paper knobs": 40.0},
-    # and against each reading with one of its two knobs back at the paper's value
+    # and against the readings one knob apart: that knob back at the paper's value, or at another value
+    "epsilon": {"w/o": 30.0, "paper knobs": 40.0, "epsilon=1000000.0": -5.0},
+    "value_norm": {"w/o": 35.0, "paper knobs": 45.0, "epsilon=0.0001": 5.0},
     "epsilon_alpha": {"w/o": 20.0, "paper knobs": 30.0, "without alpha": -10.0, "without epsilon": 24.0},
 }
 
@@ -249,8 +250,39 @@ def test_the_report_has_a_knob_section_and_figure(tmp_path):
     assert "| snapkv | 256 | paper | perturbation_alpha=0.5 | 41.0 | 12 | -4.0* [-4.0, -4.0] | +6.0* [+6.0, +6.0] | - | - |" \
         in report
     assert ("| snapkv | 256 | paper | perturbation_alpha=0.5_epsilon=0.0001 | 65.0 | 12 | +20.0* [+20.0, +20.0] | "
-            "+30.0* [+30.0, +30.0] | - | alpha: -10.0* [-10.0, -10.0]; epsilon: +24.0* [+24.0, +24.0] |") in report
+            "+30.0* [+30.0, +30.0] | - | without alpha: -10.0* [-10.0, -10.0]; without epsilon: +24.0* [+24.0, +24.0] |"
+            ) in report
     assert (tmp_path / "report" / "ablation.png").stat().st_size > 10_000
+
+
+def test_readings_one_knob_apart_share_conventions_selection_and_every_other_knob():
+    from pcs.report.ablation import Reading
+
+    def reading(conventions, name, *knobs):
+        return Reading(Path("/"), (), conventions, "_".join([name, *knobs]), name, knobs)
+
+    members = [reading("", "attention"), reading("", "perturbation"), reading("", "perturbation", "alpha=0.5"),
+               reading("", "perturbation", "epsilon=0.0001"), reading("", "perturbation", "epsilon=1000000.0"),
+               reading("", "perturbation", "alpha=0.5", "epsilon=0.0001"),
+               reading("", "perturbation", "alpha=0.5", "epsilon=0.0001", "gqa=product_of_means"),
+               reading("profile=kvpress", "perturbation", "alpha=0.5"),
+               reading("profile=kvpress", "perturbation", "alpha=0.25", "epsilon=0.0001"),
+               reading("", "other", "alpha=0.5")]
+    group = {(m.conventions, m.selection): m for m in members}
+
+    def apart(conventions, name, *knobs):
+        return {how: other.selection for how, other in group[(conventions, "_".join([name, *knobs]))]
+                .one_knob_apart(group).items()}
+
+    assert apart("", "perturbation", "alpha=0.5", "epsilon=0.0001") == {
+        "without alpha": "perturbation_epsilon=0.0001", "without epsilon": "perturbation_alpha=0.5"}
+    assert apart("", "perturbation", "epsilon=0.0001") == {"epsilon=1000000.0": "perturbation_epsilon=1000000.0"}
+    assert apart("", "perturbation", "alpha=0.5") == {}      # its default is the paper-knobs comparison
+    # one knob apart from the paper-conventions epsilon reading, but under other conventions
+    assert apart("profile=kvpress", "perturbation", "alpha=0.25", "epsilon=0.0001") == {}
+    assert apart("", "perturbation", "alpha=0.5", "epsilon=0.0001", "gqa=product_of_means") == {
+        "without gqa": "perturbation_alpha=0.5_epsilon=0.0001"}
+    assert apart("", "attention") == {}
 
 
 @pytest.mark.parametrize("reading", [r for r in READINGS if r != "full"])

@@ -154,9 +154,10 @@ def ablation_section(results: Path, out: Path, resamples: int, seed: int) -> lis
     return (["## Selection knobs", "",
              "Each reading of the perturbation selection (its conventions, paper's unless named, and its changed "
              "knobs) on the mean over tasks, against attention-only selection under the same conventions (w/o), "
-             "the paper's knobs under the same conventions, the same selection under the paper's conventions, and, "
-             "for a reading with two or more changed knobs, each reading with one of them back at the paper's value: "
-             f"delta [95 % paired bootstrap interval] ({resamples} resamples, seed {seed}); * excludes zero. "
+             "the paper's knobs under the same conventions, the same selection under the paper's conventions, and "
+             "each reading one knob apart (that knob at its default, `without`, or at the value named): "
+             f"delta [95 % paired bootstrap interval] ({resamples} resamples, seed {seed}); * excludes zero (each "
+             "interval on its own, not corrected for the number of comparisons). "
              "Per length: `ablation.csv`.", ""]
             + ablation_markdown(effects) + ([f"![selection knobs]({figure.name})", ""] if figure else []))
 

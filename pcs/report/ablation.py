@@ -8,8 +8,9 @@ default's) and its selection (the label with its changed knobs). A reading is co
 - ``paper knobs``: the perturbation selection with every knob at its default, same conventions (what the
   reading's knobs change);
 - ``paper conventions``: the same selection under the default conventions (what the conventions change);
-- ``without <knob>``, for a reading with two or more changed knobs: the reading with that knob back at its
-  default, same conventions (what the knob changes once the others are in), wherever the group has it.
+- one knob apart: each reading with one of this one's knobs back at its default (``without <knob>``, for a
+  reading of two or more knobs) or at another value (``<knob>=<value>``), same conventions, the other knobs the
+  same (what the knob, as this reading sets it, changes once the others are in), wherever the group has it.
 Each difference is a paired stratified bootstrap (``significance``) on the mean over tasks: ``average`` and, for a
 benchmark scored per length (RULER), the mean at each length.
 """
@@ -34,10 +35,11 @@ COLUMNS = ["model", "benchmark", "setting", "method", "budget", "conventions", "
 @dataclass(frozen=True)
 class Reading:
     run_dir: Path
-    group: tuple          # (model, benchmark, setting, method, budget)
-    conventions: str      # the method's changed knobs and profile, ", "-joined ("" for the default's)
-    selection: str        # the selection's label (name and changed knobs)
-    knobs: str            # the selection's changed knobs, ", "-joined
+    group: tuple               # (model, benchmark, setting, method, budget)
+    conventions: str           # the method's changed knobs and profile, ", "-joined ("" for the default's)
+    selection: str             # the selection's label (name and changed knobs)
+    name: str                  # the selection's name
+    knobs: tuple[str, ...]     # the selection's changed knobs, ``key=value`` each
 
     def baseline(self, against: str) -> tuple[str, str]:
         """(conventions, selection) of the reading this one is compared with."""
@@ -46,21 +48,27 @@ class Reading:
                 "paper conventions": ("", self.selection)}[against]
 
     @property
-    def knob_list(self) -> list[str]:
-        """The changed knobs, ``key=value`` each."""
-        return self.knobs.split(", ") if self.knobs else []
+    def knob_values(self) -> dict[str, str]:
+        return dict(knob.split("=", 1) for knob in self.knobs)
 
-    def one_knob_fewer(self, members: dict[tuple[str, str], Reading]) -> dict[str, Reading]:
-        """``without <key>`` -> the group's reading with that knob of this one's back at its default (same
-        conventions, the other knobs the same), for a reading with two or more changed knobs."""
-        if len(self.knob_list) < 2:
-            return {}
-        found = {}
+    def one_knob_apart(self, members: dict[tuple[str, str], Reading]) -> dict[str, Reading]:
+        """The group's readings one knob away from this one, same conventions and selection, keyed by how they
+        differ: ``without <key>`` where that knob of this reading's is back at its default (for a reading of two
+        or more knobs: for one, that is the paper-knobs comparison), ``<key>=<value>`` where it has another
+        value. Each says what the knob, as this reading sets it, changes once its other knobs are in."""
+        mine, found = self.knob_values, {}
         for other in members.values():
-            if other.conventions == self.conventions and other.selection != ATTENTION \
-                    and len(other.knob_list) == len(self.knob_list) - 1 and set(other.knob_list) < set(self.knob_list):
-                (dropped,) = set(self.knob_list) - set(other.knob_list)
-                found[f"without {dropped.split('=')[0]}"] = other
+            if other.conventions != self.conventions or other.name != self.name:
+                continue
+            theirs = other.knob_values
+            differ = [k for k in sorted(mine.keys() | theirs.keys()) if mine.get(k) != theirs.get(k)]
+            if len(differ) != 1 or differ[0] not in mine:     # not one apart, or the other sets a knob more
+                continue
+            knob = differ[0]
+            if knob in theirs:
+                found[f"{knob}={theirs[knob]}"] = other
+            elif len(mine) > 1:
+                found[f"without {knob}"] = other
         return found
 
 
@@ -75,7 +83,7 @@ def readings(run_dirs: list[Path]) -> dict[tuple, dict[tuple[str, str], Reading]
         group = (cfg.model.name, cfg.benchmark.name, run.setting, cfg.method.name, cfg.budget)
         conventions = ", ".join(run.method_knobs)
         groups.setdefault(group, {})[(conventions, run.selection_label)] = Reading(
-            Path(run_dir), group, conventions, run.selection_label, ", ".join(run.knobs("selection")))
+            Path(run_dir), group, conventions, run.selection_label, cfg.selection.name, tuple(run.knobs("selection")))
     return groups
 
 
@@ -117,12 +125,12 @@ def knob_effects(run_dirs: list[Path], resamples: int = RESAMPLES, seed: int = S
             bases = {against: members.get(reading.baseline(against)) for against in COMPARISONS
                      # attention-only selection is the w/o itself
                      if reading.selection != ATTENTION or against == "paper conventions"}
-            for against, base in {**bases, **reading.one_knob_fewer(members)}.items():
+            for against, base in {**bases, **reading.one_knob_apart(members)}.items():
                 if base is None or base is reading:
                     continue
                 common = {"model": model, "benchmark": benchmark, "setting": setting, "method": method,
                           "budget": budget, "conventions": reading.conventions, "selection": reading.selection,
-                          "knobs": reading.knobs,
+                          "knobs": ", ".join(reading.knobs),
                           "score": run_score(reading.run_dir), "against": against,
                           "run_dir": str(reading.run_dir), "baseline_run_dir": str(base.run_dir)}
                 table = paired([scored(base.run_dir), scored(reading.run_dir)])
@@ -143,10 +151,11 @@ def cell(rows: pd.DataFrame, against: str) -> str:
     return f"{r['delta']:+.1f}{star} [{r['ci_low']:+.1f}, {r['ci_high']:+.1f}]"
 
 
-def fewer_cell(rows: pd.DataFrame) -> str:
-    """Each ``without <knob>`` difference of a reading: ``<knob>: delta [interval]``, ``; ``-joined."""
-    knobs = sorted(a for a in rows["against"] if a.startswith("without "))
-    return "; ".join(f"{a.removeprefix('without ')}: {cell(rows, a)}" for a in knobs) or "-"
+def apart_cell(rows: pd.DataFrame) -> str:
+    """A reading's differences to the readings one knob apart: ``<how they differ>: delta [interval]``,
+    ``; ``-joined."""
+    apart = sorted(set(rows["against"]) - set(COMPARISONS))
+    return "; ".join(f"{a}: {cell(rows, a)}" for a in apart) or "-"
 
 
 def markdown(effects: pd.DataFrame, domain: str = "average") -> list[str]:
@@ -156,11 +165,11 @@ def markdown(effects: pd.DataFrame, domain: str = "average") -> list[str]:
     for (model, benchmark, setting), block in mine.groupby(["model", "benchmark", "setting"], sort=True):
         lines += [f"### {model}, {benchmark}{', ' + setting if setting else ''}", "",
                   "| method | budget | conventions | selection | score | n | vs w/o | vs paper knobs | "
-                  "vs paper conventions | vs one knob fewer (the knob added) |", "|---|---:|---|---|---:|---:|---|---|---|---|"]
+                  "vs paper conventions | vs one knob apart |", "|---|---:|---|---|---:|---:|---|---|---|---|"]
         for (method, budget, conventions, selection), rows in block.groupby(
                 ["method", "budget", "conventions", "selection"], sort=True):
             lines.append(f"| {method} | {budget} | {conventions or 'paper'} | {selection} | {rows['score'].iloc[0]:.1f} | "
                          f"{int(rows['n'].iloc[0])} | {cell(rows, 'w/o')} | {cell(rows, 'paper knobs')} | "
-                         f"{cell(rows, 'paper conventions')} | {fewer_cell(rows)} |")
+                         f"{cell(rows, 'paper conventions')} | {apart_cell(rows)} |")
         lines.append("")
     return lines
