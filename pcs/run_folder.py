@@ -125,6 +125,28 @@ def all_rows(run_dir: Path) -> list[dict]:
     return rows
 
 
+def but_for_the_sample_count(saved: dict) -> dict:
+    """A saved config's data without ``benchmark.n_samples``."""
+    benchmark = {k: v for k, v in saved.get("benchmark", {}).items() if k != "n_samples"}
+    return {**saved, "benchmark": benchmark}
+
+
+def same_but_for_the_sample_count(run_dir: Path, saved: dict) -> list[Path]:
+    """Finished runs beside ``run_dir`` whose config is ``saved`` (a run's ``saved_data``) in everything but
+    ``benchmark.n_samples``: the same run on another count of samples, the run with most rows first."""
+    mine = but_for_the_sample_count(saved)
+    found = []
+    for other in sorted(Path(run_dir).parent.iterdir()):
+        if other != Path(run_dir) and is_finished(other) and (other / "config.yaml").exists() \
+                and but_for_the_sample_count(OmegaConf.to_container(saved_config(other), resolve=True)) == mine:
+            found.append(other)
+    return sorted(found, key=lambda other: -len(read_rows(other / "predictions.jsonl")))
+
+
+# A run grown from another's answers (pcs.runner.grow) names it here: {"run": folder name, "rows": count}.
+ANSWERS_FROM = "answers_from.json"
+
+
 # What ``python -m pcs.status`` reads besides the rows: the run's sample count, and per job folder (the run's or a
 # shard's) who is working in it and how its last job failed.
 SAMPLES, RUNNING, ERROR = "samples.json", "running.json", "error.txt"

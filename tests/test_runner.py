@@ -182,3 +182,53 @@ def test_samples_are_answered_one_task_at_a_time_in_turn():
     assert [s.id for s in interleaved(samples)] == ["a0", "b0", "c0", "a1", "b1", "a2"]
     longbench = [Sample(f"{task}{i}", "", 1, meta={"task": task}) for task in "xy" for i in range(2)]
     assert [s.id for s in interleaved(longbench)] == ["x0", "y0", "x1", "y1"]
+
+
+def ruler_cfg(model_dir, tmp_path, results, *extra):
+    return compose_cfg("benchmark=ruler", "benchmark.lengths=[1024]", "benchmark.tasks=[niah_single_1]",
+                       f"benchmark.cache_dir={tmp_path / 'samples'}", f"model.path={model_dir}", f"results_dir={results}",
+                       "method=snapkv", "budget=256", "engine.stop_when_scored=true", "progress=false", *extra)
+
+
+def rows_of(results, cfg) -> list[dict]:
+    return [json.loads(line) for line in (folder(results, cfg) / "predictions.jsonl").read_text().splitlines()]
+
+
+def test_a_run_on_more_samples_answers_only_the_new_ones(tiny_model_dir, tmp_path):
+    """The same run on 3 samples beside its finished 2-sample run: the 2 answers are taken (timings and all),
+    not recomputed, and the run is what a fresh 3-sample run writes. A run that differs in another knob (budget
+    128, first by name) is not taken from."""
+    results = tmp_path / "results"
+    small = ruler_cfg(tiny_model_dir, tmp_path, results, "benchmark.n_samples=2")
+    run(ruler_cfg(tiny_model_dir, tmp_path, results, "benchmark.n_samples=2", "budget=128"))
+    run(small)
+    grown_cfg = ruler_cfg(tiny_model_dir, tmp_path, results, "benchmark.n_samples=3")
+    grown = run(grown_cfg)
+    assert grown["n_resumed"] == 2 and grown["n_samples"] == 3
+    assert grown["answers_from"] == {"run": folder(results, small).name, "rows": 2}
+    assert rows_of(results, grown_cfg)[:2] == rows_of(results, small)
+    fresh_cfg = ruler_cfg(tiny_model_dir, tmp_path, tmp_path / "fresh", "benchmark.n_samples=3")
+    fresh = run(fresh_cfg)
+    assert fresh["n_resumed"] == 0 and "answers_from" not in fresh
+    strip = lambda row: {k: v for k, v in row.items() if k not in ("prefill_s", "decode_s")}
+    assert [strip(r) for r in rows_of(results, grown_cfg)] == [strip(r) for r in rows_of(tmp_path / "fresh", fresh_cfg)]
+    assert grown["score"] == fresh["score"]
+
+
+def test_growing_a_run_takes_only_the_samples_the_other_count_builds_alike(tiny_model_dir, tmp_path, monkeypatch):
+    """Where the smaller count's benchmark builds a sample with the same id but another prompt, that sample is
+    answered anew."""
+    import dataclasses
+    from pcs.benchmarks.ruler import Ruler
+    results = tmp_path / "results"
+    run(ruler_cfg(tiny_model_dir, tmp_path, results, "benchmark.n_samples=2"))
+    built = Ruler.samples
+
+    def other_second_sample(self, tokenizer):
+        samples = built(self, tokenizer)
+        if self.cfg.n_samples == 2:
+            samples[1] = dataclasses.replace(samples[1], prompt=samples[1].prompt + " Another prompt.")
+        return samples
+    monkeypatch.setattr(Ruler, "samples", other_second_sample)
+    grown = run(ruler_cfg(tiny_model_dir, tmp_path, results, "benchmark.n_samples=3"))
+    assert grown["n_resumed"] == 1 and grown["answers_from"]["rows"] == 1
