@@ -335,3 +335,26 @@ def test_a_rerun_agrees_where_the_difference_of_two_independent_estimates_may_be
     assert lines[0].endswith("| +2.0 +-5.0 | yes | yes |") and "-20.0 [-23.0, -17.0] (100)" in lines[0]
     assert lines[1].endswith("| -12.0 +-2.8 | no | no |")
     assert "1 of 2 effects agree" in done.stdout
+
+
+@pytest.mark.parametrize("grown, ablation", [("ruler_ablation_grown", "ruler_ablation"),
+                                             ("ruler_ablation_question_after_grown", "ruler_ablation_question_after")])
+def test_a_grown_ablation_is_its_ablations_runs_on_more_samples(grown, ablation):
+    """Each run of a grown experiment is a run of the ablation in everything but benchmark.n_samples, and has at
+    least as many samples of every task: it starts from that run's answers (pcs.runner.grow)."""
+    from pcs.run_folder import but_for_the_sample_count
+    from test_sweeps import hydra_cfg
+    params = hydra_cfg(f"experiment={grown}").hydra.sweeper.params
+    ablation_params = hydra_cfg(f"experiment={ablation}").hydra.sweeper.params
+    for method in str(params.method).split(","):
+        for budget in str(params.budget).split(","):
+            assert method in str(ablation_params.method).split(",") and budget in str(ablation_params.budget).split(",")
+            for reading in str(params.ablation).split(","):
+                assert reading in str(ablation_params.ablation).split(",")
+                mine, theirs = (RunIdentity(compose([f"experiment={name}", f"method={method}", f"budget={budget}",
+                                                     f"ablation={reading}"])) for name in (grown, ablation))
+                assert but_for_the_sample_count(mine.saved_data()) == but_for_the_sample_count(theirs.saved_data())
+                more, fewer = (OmegaConf.to_container(run.cfg.benchmark)["n_samples"] for run in (mine, theirs))
+                tasks = len(mine.cfg.benchmark.tasks)
+                more, fewer = ([n] * tasks if isinstance(n, int) else n for n in (more, fewer))
+                assert all(m >= f for m, f in zip(more, fewer)) and more != fewer
