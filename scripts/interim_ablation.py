@@ -1,0 +1,61 @@
+"""Where a knob ablation stands while its runs are still going: each reading against attention-only selection and
+the paper reading under the same conventions, on the samples every run of its group has answered so far.
+
+    .venv/bin/python scripts/interim_ablation.py results/embedded/ruler/gemma3_270m --setting query_aware=False
+
+The report (``python -m pcs.report``) compares finished runs only. This takes every run folder under the given
+folders, finished or not, groups them as the report does (``pcs.report.ablation.readings``), keeps the samples
+all runs of a group hold, and prints per group the paired difference on the mean over strata with its 95 %
+stratified bootstrap interval (10,000 resamples, seed 0, as the report). A partial run answers its samples one
+stratum at a time in turn, so the shared samples cover every task and length alike; the intervals are those of
+the samples so far and narrow as the runs go on.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pcs.report.ablation import ATTENTION, mean_domains, readings          # noqa: E402
+from pcs.report.significance import paired, paired_bootstrap, run_scores   # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folders", type=Path, nargs="+", help="folders holding run folders")
+    parser.add_argument("--setting", default="", help="only groups whose setting contains this text")
+    parser.add_argument("--resamples", type=int, default=10_000)
+    args = parser.parse_args(argv)
+    run_dirs = sorted(p.parent for folder in args.folders for p in folder.glob("*/config.yaml")
+                      if (p.parent / "predictions.jsonl").exists())
+    for group, members in sorted(readings(run_dirs).items(), key=lambda kv: str(kv[0])):
+        model, benchmark, setting, method, budget = group
+        if args.setting not in setting or len(members) < 2:
+            continue
+        scores = {key: run_scores(reading.run_dir) for key, reading in members.items()}
+        shared = set.intersection(*(set(frame["id"]) for frame in scores.values()))
+        scores = {key: frame[frame["id"].isin(shared)].reset_index(drop=True) for key, frame in scores.items()}
+        print(f"\n### {model}, {benchmark}, {setting}, {method}, budget {budget}: {len(shared)} samples shared by "
+              f"{len(members)} runs\n")
+        print("| conventions | selection | score | vs w/o | vs paper knobs |\n|---|---|---:|---|---|")
+        for (conventions, selection), reading in sorted(members.items()):
+            cells = []
+            for baseline in (reading.baseline("w/o"), reading.baseline("paper knobs")):
+                # attention-only selection is the baseline, as in the report
+                if selection == ATTENTION or baseline not in members or baseline == (conventions, selection):
+                    cells.append("-")
+                    continue
+                table = paired([scores[baseline], scores[(conventions, selection)]])
+                strata = mean_domains(table)["average"]
+                interval = paired_bootstrap((table[1] - table[0]).to_numpy(), strata, args.resamples, 0)
+                cells.append(f"{interval.delta:+.1f} [{interval.ci_low:+.1f}, {interval.ci_high:+.1f}]")
+            frame = scores[(conventions, selection)]
+            score = frame.groupby("stratum")["score"].mean().mean()
+            print(f"| {conventions or 'paper'} | {selection if selection != ATTENTION else 'attention'} | "
+                  f"{score:.1f} | {cells[0]} | {cells[1]} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
