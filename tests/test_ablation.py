@@ -156,26 +156,30 @@ def test_the_gemma_ablation_runs_every_reading_and_the_full_cache_on_one_prefill
     assert len(baselines) == 2 and all(run.pairing_key in baselines for run in runs.values() if run.reads_budget)
 
 
-def test_the_epsilon_follow_up_reuses_the_question_after_ablations_runs():
-    """experiment=ruler_ablation_question_after_epsilon: budget 1,024 of the question-after ablation, its readings
-    that the new ones are compared with land in that ablation's folders, and one prefill per sample."""
+@pytest.mark.parametrize("follow_up, base", [
+    ("ruler_ablation_question_after_epsilon", "ruler_ablation_question_after"),
+    ("ruler_ablation_question_after_epsilon_rerun", "ruler_ablation_question_after_rerun"),
+    ("ruler_ablation_value_norm_rerun", "ruler_ablation_rerun")])
+def test_a_follow_up_adds_readings_to_its_base_experiments_runs(follow_up, base):
+    """The follow-ups add readings (conf/ablation's epsilon pairs and value_norm) at one of their base experiment's
+    budgets; the readings they compare them with land in the base's folders (their answers are reused), and each
+    sample is prefilled once for all runs."""
     from pcs.sweep import plan
     from test_sweeps import hydra_cfg
-    params = hydra_cfg("experiment=ruler_ablation_question_after_epsilon").hydra.sweeper.params
+    params = hydra_cfg(f"experiment={follow_up}").hydra.sweeper.params
+    base_params = hydra_cfg(f"experiment={base}").hydra.sweeper.params
     readings = str(params.ablation).split(",")
-    assert set(FOLLOW_UP) <= set(readings) and str(params.budget) == "1024"
-    reused = set(readings) - set(FOLLOW_UP)
-    assert reused == {"attention", "paper", *SINGLE_KNOBS}
+    reused = [r for r in readings if r not in FOLLOW_UP]
+    assert {"attention", "paper"} <= set(reused) and set(readings) - set(reused)
+    assert set(reused) <= set(str(base_params.ablation).split(","))
+    assert str(params.budget) in str(base_params.budget).split(",")
     cfgs = []
     for method in str(params.method).split(","):
         for reading in readings:
-            cfg = compose(["experiment=ruler_ablation_question_after_epsilon", f"method={method}", "budget=1024",
-                           f"ablation={reading}"])
-            cfgs.append(cfg)
+            overrides = [f"method={method}", f"budget={params.budget}", f"ablation={reading}"]
+            cfgs.append(compose([f"experiment={follow_up}", *overrides]))
             if reading in reused:
-                ablation = compose(["experiment=ruler_ablation_question_after", f"method={method}", "budget=1024",
-                                    f"ablation={reading}"])
-                assert RunIdentity(cfg).folder == RunIdentity(ablation).folder
+                assert RunIdentity(cfgs[-1]).folder == RunIdentity(compose([f"experiment={base}", *overrides])).folder
     assert len({RunIdentity(cfg).folder for cfg in cfgs}) == len(cfgs)
     assert plan(cfgs) == [list(range(len(cfgs)))]
 
