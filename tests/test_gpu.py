@@ -70,18 +70,27 @@ def test_cuda_decoding_takes_at_most_two_attention_calls_per_layer(cell):
 def test_cuda_decoding_stays_off_cudnn_attention(cell):
     """cuDNN's attention builds an execution plan for every new key length, and decoding meets one per step
     (on an H100: 24 ms of CPU per call, a second per token for 32 layers): decoding must not reach it. The
-    prefill may; so the cuDNN events of a 6-token generation must equal those of a 1-token one (prefill only),
-    whatever number of profiler events one cuDNN call shows as."""
+    prefill may; so, with cuDNN ranked first everywhere (torch's own order may not rank it first, and then the
+    comparison below would hold with no cuDNN call at all), the prefill must reach it and the cuDNN events of a
+    6-token generation must equal those of a 1-token one (prefill only), whatever number of profiler events one
+    cuDNN call shows as."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     model = tiny_model("llama").cuda().to(torch.bfloat16)
     ids = torch.randint(0, 256, (1, 300), device="cuda")
+    cudnn_first = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                   SDPBackend.MATH]
 
     def cudnn_events(new_tokens):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with sdpa_kernel(cudnn_first, set_priority=True), \
+                torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             gen = greedy_generate(model, ids, method(cell), new_tokens, set())
         assert len(gen.token_ids) == new_tokens
         return sum(e.count for e in prof.key_averages() if "cudnn_attention" in e.key)
 
-    assert cudnn_events(6) == cudnn_events(1)
+    prefill_only = cudnn_events(1)
+    if prefill_only == 0:
+        pytest.skip("cuDNN attention does not take this prefill on this GPU and torch: nothing to keep decoding from")
+    assert cudnn_events(6) == prefill_only
 
 
 def test_cuda_shared_prefill_gives_each_cell_its_own_result():
@@ -124,7 +133,8 @@ def test_cuda_graph_decoding_gives_eager_tokens_and_never_syncs_inside_a_step():
     torch.cuda.set_sync_debug_mode("error")
     try:
         pool.sequences[0].result.token_ids.append(1)
-        pool.forward()
+        with torch.inference_mode():          # as in step(): the pool's buffers are inference tensors
+            pool.forward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -134,7 +144,7 @@ def cuda_layer(n, seed=0, dtype=torch.bfloat16, h_kv=8, h_q=32, d=128, hidden=40
     from pcs.eviction.base import LayerState
     g = torch.Generator(device="cuda").manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=g, device="cuda", dtype=dtype)   # noqa: E731
-    return LayerState(10, 32, rand(h_kv, n, d), rand(h_kv, n, d), rand(h_q, 32, d) * 2, rand(hidden, h_q * d) / 64)
+    return LayerState(10, 32, rand(h_kv, n, d), rand(h_kv, n, d), rand(h_q, 64, d) * 2, rand(hidden, h_q * d) / 64)
 
 
 STAGE2_CELLS = [("method=snapkv", "selection=perturbation"), ("method=pyramidkv", "selection=perturbation"),

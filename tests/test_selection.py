@@ -163,6 +163,20 @@ def test_output_projection_is_computed_once_per_weight_and_again_after_a_change(
     assert torch.allclose(output_projection(weight, 8).grams, 4 * first.grams)
 
 
+def test_output_projection_follows_its_module_to_another_dtype():
+    """``Module.to`` keeps the Parameter object and its version but replaces its storage (as a move to a GPU
+    does): the projection must be the moved weight's, in its dtype, not the one cached before the move."""
+    from pcs.eviction.scores import output_projection
+    o_proj = torch.nn.Linear(4 * 8, 24, bias=False)
+    weight = o_proj.weight
+    before, version = output_projection(weight, 8), weight._version
+    o_proj.to(torch.bfloat16)
+    assert o_proj.weight is weight and weight._version == version
+    after = output_projection(weight, 8)
+    assert after.by_input.dtype == torch.bfloat16 and before.by_input.dtype == torch.float32
+    torch.testing.assert_close(after.grams, before.grams, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gqa", ["mean_of_products", "product_of_means"])
 def test_the_bounds_hold_every_computed_score(dtype, gqa):
@@ -358,10 +372,11 @@ def test_every_method_profile_and_gqa_mode_keeps_what_exhaustive_stage2_keeps(pr
 
 class HostReads(TorchDispatchMode):
     """Counts what makes the host wait for a device's values: scalar reads (item, int, bool), nonzero, masked_select,
-    boolean indexing, and ``tolist`` (which does not dispatch, so it is counted by a wrapper). On a CPU nothing
-    waits, but the same calls are the ones that synchronise with a GPU."""
+    boolean indexing, bincount (CUDA's reads its input's min and max), and ``tolist`` (which does not dispatch, so
+    it is counted by a wrapper). On a CPU nothing waits, but the same calls are the ones that synchronise with a
+    GPU."""
     WAITING = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-               torch.ops.aten.masked_select.default}
+               torch.ops.aten.masked_select.default, torch.ops.aten.bincount.default}
 
     def __enter__(self):
         self.count, self.tolist = 0, torch.Tensor.tolist
@@ -387,6 +402,19 @@ class HostReads(TorchDispatchMode):
 # Host reads of one layer's compression, at most: the budgets (1), AdaKV's allocation (1), stage 2's checks (one
 # per round of candidates).
 MOST_HOST_READS = 2 + Stage2.MOST_READS
+
+
+def test_each_adakv_allocation_waits_for_the_device_at_most_once():
+    """AdaKV's allocations cost MOST_HOST_READS' one read: pcs's its largest-remainder count, kvpress's its
+    window score, the official one none (a per-head count through bincount would add CUDA's two)."""
+    from pcs.eviction.adakv import adaptive_budgets, kvpress_budgets, official_budgets
+    scores = torch.rand(4, 3000, generator=torch.Generator().manual_seed(0))
+    for allocate, expected in ((lambda: adaptive_budgets(scores, 512, 32), 1),
+                               (lambda: kvpress_budgets(scores, 512, 32, 0.2), 1),
+                               (lambda: official_budgets(scores, 512, 32, 0.2), 0)):
+        with HostReads() as reads:
+            allocate()
+        assert reads.count == expected
 
 
 @pytest.mark.parametrize("profile", PROFILES)

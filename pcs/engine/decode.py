@@ -428,9 +428,11 @@ CUDA_POOL = 256        # engine.pool=null on CUDA: at most this many, as free me
 
 
 def free_memory(device: torch.device) -> float:
-    """Bytes the device can still allocate: CUDA's free memory, or the host's available memory (Linux)."""
+    """Bytes the device can still allocate: CUDA's free memory and what torch's caching allocator holds unused
+    (it serves or frees that before running out), or the host's available memory (Linux)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     try:
         with open("/proc/meminfo") as f:
             fields = dict(line.split(":", 1) for line in f)

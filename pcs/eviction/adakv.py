@@ -20,7 +20,7 @@ def adaptive_budgets(scores: torch.Tensor, budget: int, window: int, floor: floa
     b = min(budget - window, n_prefix)
     total = n_kv_heads * b
     winners = scores.flatten().topk(total).indices // n_prefix
-    counts = torch.bincount(winners, minlength=n_kv_heads).double()
+    counts = heads_won(winners, n_kv_heads).double()
     shares = (1.0 - floor) * counts + floor * b
     return largest_remainder(shares, total)
 
@@ -35,7 +35,7 @@ def kvpress_budgets(scores: torch.Tensor, budget: int, window: int, safeguard: f
     protected = padded.topk(n_safe, dim=-1).indices
     padded = padded.scatter(-1, protected, torch.finfo(padded.dtype).max)
     winners = padded.flatten().topk(n_kv_heads * budget).indices // padded.shape[1]
-    return torch.bincount(winners, minlength=n_kv_heads) - window
+    return heads_won(winners, n_kv_heads) - window
 
 
 def official_budgets(scores: torch.Tensor, budget: int, window: int, floor: float) -> torch.Tensor:
@@ -45,8 +45,15 @@ def official_budgets(scores: torch.Tensor, budget: int, window: int, floor: floa
     n_kv_heads, _ = scores.shape
     b = budget - window
     winners = scores.flatten().topk(n_kv_heads * b).indices // scores.shape[1]
-    counts = torch.bincount(winners, minlength=n_kv_heads)
+    counts = heads_won(winners, n_kv_heads)
     return torch.round(counts * (1 - floor) + int(b * floor)).long()
+
+
+def heads_won(winners: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """How many of ``winners`` (head indices) each head has. Not ``torch.bincount``: on CUDA it reads the
+    indices' min and max back to the host (its output's size depends on them), two waits per layer."""
+    return torch.zeros(n_kv_heads, dtype=torch.long, device=winners.device).scatter_add_(
+        0, winners, torch.ones_like(winners))
 
 
 def largest_remainder(shares: torch.Tensor, total: int) -> torch.Tensor:

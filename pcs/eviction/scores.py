@@ -96,24 +96,31 @@ class OutputProjection:
     top_eigenvalues: torch.Tensor
     by_input: torch.Tensor
     abs_row_norms: torch.Tensor
-    version: int
+    source: tuple       # what it was computed from: ``weight_identity``
+
+
+def weight_identity(weight: torch.Tensor) -> tuple:
+    """What tells a weight's values apart over time: its storage, device and dtype (``Module.to`` keeps the
+    Parameter object and its version but gives it new storage) and its version (an in-place change)."""
+    return weight.data_ptr(), weight.device, weight.dtype, weight._version
 
 
 _projections = WeakTensorKeyDictionary()
 
 
 def output_projection(o_proj_weight: torch.Tensor, d: int) -> OutputProjection:
-    """``OutputProjection`` of the (hidden, H_q * d) weight, computed once per weight tensor (a model's weights
-    do not change between prompts; an in-place change is seen by the tensor's version)."""
+    """``OutputProjection`` of the (hidden, H_q * d) weight, computed once per weight (a model's weights do not
+    change between prompts; a move to another device or dtype, or an in-place change, is seen by
+    ``weight_identity``)."""
     cached = _projections.get(o_proj_weight)
-    if cached is not None and cached.version == o_proj_weight._version and cached.grams.shape[-1] == d:
+    if cached is not None and cached.source == weight_identity(o_proj_weight) and cached.grams.shape[-1] == d:
         return cached
     hidden, qd = o_proj_weight.shape
     weight = o_proj_weight.detach().view(hidden, qd // d, d)
     w = weight.float()
     grams = torch.einsum("ohd,ohe->hde", w, w)
     projection = OutputProjection(grams, top_eigenvalue_bound(grams), weight.permute(2, 1, 0).contiguous(),
-                                  w.abs().sum(0).norm(dim=-1), o_proj_weight._version)
+                                  w.abs().sum(0).norm(dim=-1), weight_identity(o_proj_weight))
     _projections[o_proj_weight] = projection
     return projection
 
