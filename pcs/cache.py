@@ -457,7 +457,17 @@ def sliding_prefill_attention(module, query, key, value, attention_mask, scaling
     return torch.cat(outputs, dim=1), None
 
 
+def held_mask(*, q_length: int, local_size: int | None = None, attention_mask=None, **kwargs):
+    """transformers' SDPA mask, except for a sliding-window layer's long multi-token forward without padding:
+    ``sliding_prefill_attention`` builds each block's band itself, and the whole (q, kv) mask it would slice is
+    what it must not hold (1 GiB at 32K tokens, 16 GiB at 128K). The bands are the mask's own entries, so the
+    attention is the same to the bit."""
+    if local_size is not None and attention_mask is None and q_length > sliding_block(local_size):
+        return None
+    return sdpa_mask(q_length=q_length, local_size=local_size, attention_mask=attention_mask, **kwargs)
+
+
 def register_attention() -> None:
     """Make ``attn_implementation='pcs'`` available to transformers (idempotent)."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, held_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, held_mask)

@@ -107,3 +107,23 @@ def test_bench_pairs_each_perturbation_row_with_attention_under_the_same_preset(
     assert f"whole prefills' ratios {walls[0]:.3f}x to {walls[1]:.3f}x" in line
     assert "| perturbation (criticalkv) |" in report
     assert "| 400 | snapkv | 128 | paper |" in report and "| 400 | snapkv | 128 | preset=criticalkv |" in report
+
+
+def test_gpu_readme_puts_a_devices_table_in_its_own_section_and_replaces_it(tmp_path):
+    """scripts/gpu_readme.py on the committed H100 rows: the section goes after the README's text, named by the
+    rows' device, holds the bench's report of those rows, and a second run replaces it instead of adding one."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).parents[1]
+    rows = root / "results" / "bench" / "gpu_NVIDIA_H100_80GB_HBM3.jsonl"
+    readme = tmp_path / "README.md"
+    readme.write_text("# Bench\n\nText before.\n")
+    script = [sys.executable, str(root / "scripts" / "gpu_readme.py"), str(rows), "--readme", str(readme)]
+    report = subprocess.run(script, check=True, capture_output=True, text=True).stdout
+    first = readme.read_text()
+    assert first.startswith("# Bench\n\nText before.\n\n<!-- gpu NVIDIA_H100_80GB_HBM3 -->\n")
+    assert report.strip() in first and "| 32768 | snapkv | perturbation |" in report
+    readme.write_text(first.replace(report.strip(), "an older table") + "Text after.\n")
+    subprocess.run(script, check=True, capture_output=True)
+    assert readme.read_text() == first + "Text after.\n"

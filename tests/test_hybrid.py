@@ -120,16 +120,17 @@ def test_kv_bytes_of_a_compressed_hybrid_are_its_full_layers_kept_entries_plus_t
 def test_a_long_prefill_of_sliding_layers_block_by_block_equals_the_models_own(model, monkeypatch):
     """Prompts several sliding blocks long: the banded prefill (each block of queries against the keys its window
     reaches) gives the logits of transformers' own SDPA over the whole mask, and its cache the same entries."""
-    blocks = []
+    blocks, masks = [], []
     original = pcs.cache.sliding_prefill_attention
     monkeypatch.setattr(pcs.cache, "sliding_prefill_attention",
-                        lambda *a, **k: blocks.append(a[1].shape[2]) or original(*a, **k))
+                        lambda *a, **k: blocks.append(a[1].shape[2]) or masks.append(a[4]) or original(*a, **k))
     ids = torch.randint(0, 256, (1, 3 * sliding_block(model.config.sliding_window) + 37),
                         generator=torch.Generator().manual_seed(7))
     cache = CompressedCache.of(model.config)
     got = model(input_ids=ids, past_key_values=cache).logits
     n_sliding = sum(w is not None for w in attention_windows(model.config))
     assert blocks == [ids.shape[1]] * n_sliding          # every sliding layer went block by block
+    assert masks == [None] * n_sliding                   # with no whole (q, kv) mask built for it to slice
     model.set_attn_implementation("sdpa")
     try:
         own = DynamicCache(config=model.config)
@@ -159,6 +160,8 @@ def test_banded_sliding_attention_equals_attention_under_the_whole_mask(given_ma
         query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), attn_mask=mask, scale=0.3).transpose(1, 2)
     got, _ = sliding_prefill_attention(module, query, key, value, mask if given_mask else None, 0.3, window)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    other, _ = sliding_prefill_attention(module, query, key, value, None if given_mask else mask, 0.3, window)
+    assert torch.equal(got, other)        # the bands built are the given mask's: the same to the bit
 
 
 @torch.no_grad()
