@@ -128,6 +128,9 @@ def profile_prefill(model, method, ids, path: Path) -> float:
 
 
 ATTENTION_OP = "aten::scaled_dot_product_attention"
+CALLS_CONTEXT = 4096    # tokens of the prompt the attention calls are counted on: how many calls a decode step
+                        # makes per layer does not depend on the prompt's length, and one more prefill of 128K
+                        # tokens per configuration would cost a GPU session minutes
 
 
 def attention_calls_per_token(model, method, ids, steps: int = 4) -> float:
@@ -324,7 +327,7 @@ def run(args) -> list[dict]:
         base = None
         for (config, method), runs in zip(built, samples):
             result = summarize(runs) | stage2_work(method)
-            result["attention_calls_per_token"] = attention_calls_per_token(model, method, ids)
+            result["attention_calls_per_token"] = attention_calls_per_token(model, method, ids[:, :CALLS_CONTEXT])
             if args.profile:
                 name = f"{context}_{config.method}_{config.selection}_{config.budget or 'all'}" \
                        f"{'_' + config.preset if config.preset else ''}.txt"
