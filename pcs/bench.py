@@ -36,6 +36,7 @@ from .engine import Cell, DecodePool, clock, prefill
 from .eviction import build_method
 from .generate import greedy_generate
 from .models import load_model, prepare
+from .paths import read_jsonl
 
 LLAMA31_SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                      num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=131072)
@@ -542,7 +543,7 @@ def parse(argv=None):
 def main(argv=None) -> int:
     args = parse(argv)
     if args.report:
-        rows = [json.loads(line) for line in Path(args.report).read_text().splitlines() if line.strip()]
+        rows = read_jsonl(Path(args.report))
         pools, selections = pool_table(rows), selection_table(rows)
         print(markdown(rows) + "\n\n" + (pools + "\n\n" if pools else "") + (selections + "\n\n" if selections else "")
               + "\n".join(f"- {line}" for line in targets(rows)))

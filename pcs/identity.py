@@ -21,6 +21,13 @@ from .config import declared, default_option, group_file, is_declaration, uses
 # Where files live and which device runs: not part of what a run measures, so not in its name
 # (config.yaml keeps them).
 NOT_IN_NAME = {"name", "path", "cache_dir", "device", "device_map", "data_dir", "data_file", "haystack_dir", "qa_dir"}
+LOCATIONS = NOT_IN_NAME - {"name"}      # a run rerun from other paths or on other devices is the same run
+
+
+def without_locations(saved: dict) -> dict:
+    """A saved config's data without each group's ``LOCATIONS``: what two configs of one run folder must share."""
+    return {key: {k: v for k, v in value.items() if k not in LOCATIONS} if isinstance(value, dict) else value
+            for key, value in saved.items()}
 # Where results go, who watches and how answers decode (metrics.json records the engine): not saved with the run.
 NOT_SAVED = ("results_dir", "progress", "logger", "engine")
 # What is chosen from a prefill and how the answer decodes: runs that differ only in these see the same

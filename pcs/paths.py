@@ -3,6 +3,7 @@ reports and rescoring use these too)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -34,3 +35,14 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def jsonl_lines(text: str) -> list[str]:
+    """The lines of a JSON Lines text: split at "\n" only, since a row written with ``ensure_ascii=False`` may
+    hold characters that ``str.splitlines()`` also breaks at (U+2028, U+2029, U+0085); blank lines left out."""
+    return [line for line in text.split("\n") if line.strip()]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every row of a JSON Lines file (a torn line is an error here: ``run_folder.read_rows`` drops one)."""
+    return [json.loads(line) for line in jsonl_lines(Path(path).read_text(encoding="utf-8"))]

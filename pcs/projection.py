@@ -19,12 +19,12 @@ otherwise LongBench's published per-task averages (``LONGBENCH_WORDS``), in word
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from pathlib import Path
 
 from .config import compose
 from .identity import RunIdentity
+from .paths import read_jsonl
 from .sweep import plan
 
 # LongBench v1 task statistics (THUDM/LongBench, README "Task statistics"): average length in words (Python's
@@ -56,7 +56,7 @@ def task_lengths(cfg, tokens_per_word: float) -> list[tuple[int, int]]:
     for task in cfg.benchmark.tasks:
         path = data_dir / f"{task}.jsonl" if data_dir else None
         if path is not None and path.exists():
-            words = [json.loads(line)["length"] for line in path.read_text().splitlines() if line.strip()]
+            words = [row["length"] for row in read_jsonl(path)]
         else:
             average, count = LONGBENCH_WORDS[task]
             words = [average] * count
@@ -96,7 +96,7 @@ class Costs:
 
 def project(overrides: list[str], bench_file: str, pool: int | None, tokens_per_word: float = TOKENS_PER_WORD) -> str:
     """The projection's text: one line per job and totals."""
-    costs = Costs([json.loads(line) for line in Path(bench_file).read_text().splitlines() if line.strip()])
+    costs = Costs(read_jsonl(Path(bench_file)))
     cfgs = sweep_configs(overrides)
     groups = plan(cfgs)
     measured_pools = costs.pools()

@@ -3,6 +3,7 @@ finished sample), ``metrics.json`` (written atomically, last: its presence means
 and the lock that keeps two jobs out of one folder."""
 from __future__ import annotations
 
+import errno
 import fcntl
 import functools
 import json
@@ -15,7 +16,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from .config import upgraded
-from .paths import write_atomic
+from .identity import without_locations
+from .paths import jsonl_lines, write_atomic
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -23,7 +25,7 @@ def read_rows(path: Path) -> list[dict]:
     if not path.exists():
         return []
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in jsonl_lines(path.read_text(encoding="utf-8")):
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
@@ -65,11 +67,14 @@ def _read_only_config(path: Path, mtime_ns: int, size: int) -> DictConfig:
 
 def prepare(run_dir: Path, saved_config: str) -> None:
     """Create the folder with its config, or check that an existing one holds the same config (a config
-    saved before a knob was added is the same run when it did what the knob's value does: it is rewritten)."""
+    saved before a knob was added is the same run when it did what the knob's value does: it is rewritten; one
+    that differs only in where files are or which device ran, ``LOCATIONS``, is the same run too)."""
     config_file = run_dir / "config.yaml"
     if config_file.exists():
         if config_file.read_text() != saved_config:
-            if OmegaConf.to_container(load_config(run_dir)) != OmegaConf.to_container(OmegaConf.create(saved_config)):
+            old, new = (without_locations(OmegaConf.to_container(c))
+                        for c in (load_config(run_dir), OmegaConf.create(saved_config)))
+            if old != new:
                 raise RuntimeError(f"{run_dir} holds a run with a different config; "
                                    f"remove it or choose another results_dir")
             write_atomic(config_file, saved_config)
@@ -79,14 +84,19 @@ def prepare(run_dir: Path, saved_config: str) -> None:
 
 
 @contextmanager
-def exclusive(run_dir: Path):
+def exclusive(run_dir: Path, wait: bool = False):
     """Yields whether this process holds the run folder's lock (a POSIX lock, so it also works
-    between cluster nodes sharing the folder over NFS); the lock goes when the process ends."""
+    between cluster nodes sharing the folder over NFS); the lock goes when the process ends. ``wait``: until
+    the holder lets go. A file system that cannot lock is an error, not a lock held by another job."""
     handle = open(run_dir / ".lock", "w")
     try:
-        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+        fcntl.lockf(handle, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
         handle.close()
+        if err.errno not in (errno.EAGAIN, errno.EACCES):
+            raise OSError(err.errno, f"cannot lock {run_dir / '.lock'} ({err.strerror}): pcs keeps two jobs out "
+                                     "of one run folder with POSIX locks; put results_dir on a file system that "
+                                     "supports them (e.g. NFS with lockd, Lustre mounted with flock)") from err
         yield False
         return
     try:

@@ -206,12 +206,14 @@ def advice(err: DoesNotFit, cell: Cell, pool) -> str:
 
 
 def merged(cell: Cell, samples: list, shard: tuple[int, int], summary) -> dict | None:
-    """The run's metrics if every sample of it is done (its shards' rows included), else None. With shards the
-    run-level lock decides which finishing job writes them; the rows are read again under it."""
+    """The run's metrics if every sample of it is done (its shards' rows included), else None. With shards each
+    finishing job waits for the run-level lock and reads the rows again under it, so whichever sees them all
+    writes the metrics: a shard that found the lock taken and left could leave a finished run unmerged (the
+    holder read before its last row landed)."""
     index, count = shard
     with ExitStack() as held:
-        if count > 1 and not held.enter_context(exclusive(cell.run_dir)):
-            return None                                 # another shard is merging
+        if count > 1:
+            held.enter_context(exclusive(cell.run_dir, wait=True))
         if is_finished(cell.run_dir):
             return json.loads((cell.run_dir / "metrics.json").read_text())
         cell.rows = all_rows(cell.run_dir)

@@ -6,11 +6,13 @@ its own per device that a later run of the same device replaces.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pcs.paths import read_jsonl          # noqa: E402
 
 README = Path(__file__).resolve().parents[1] / "results" / "bench" / "README.md"
 
@@ -26,7 +28,7 @@ def main(argv=None) -> int:
     parser.add_argument("results", type=Path, help="a gpu_<device>.jsonl written by scripts/gpu_check.sh")
     parser.add_argument("--readme", type=Path, default=README)
     args = parser.parse_args(argv)
-    rows = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
+    rows = read_jsonl(args.results)
     if not rows:
         sys.exit(f"{args.results}: no rows")
     device = re.sub(r"[^A-Za-z0-9]+", "_", rows[0]["device_name"]).strip("_")

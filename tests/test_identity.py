@@ -85,3 +85,48 @@ def test_a_config_saved_before_a_knob_existed_is_the_same_run(tmp_path):
         prepare(old, today.replace("query_aware: true", "query_aware: false"))
     prepare(old, today)                                   # resumes: the folder now says what it did
     assert (old / "config.yaml").read_text() == today
+
+
+def test_a_run_rerun_from_other_paths_or_devices_resumes_in_its_folder(tmp_path):
+    """Where files are and which device runs are not in a run's name (``LOCATIONS``): a folder saved with one
+    weights path and device map resumes under others (as the out-of-memory advice, model.device_map=auto, asks),
+    and a changed knob of the run is still refused."""
+    committed = RESULTS / "embedded" / "needle" / "smollm2" / "snapkv_perturbation_b128"
+    today = (committed / "config.yaml").read_text()
+    run_dir = tmp_path / "run"
+    prepare(run_dir, today)
+    moved = OmegaConf.create(today)
+    moved.model.path, moved.model.device_map = "/scratch/node-local/smollm2", "auto"
+    moved_text = OmegaConf.to_yaml(moved)
+    assert RunIdentity(moved).folder == RunIdentity(OmegaConf.create(today)).folder
+    prepare(run_dir, moved_text)
+    assert (run_dir / "config.yaml").read_text() == moved_text
+    moved.budget = 256
+    with pytest.raises(RuntimeError, match="different config"):
+        prepare(run_dir, OmegaConf.to_yaml(moved))
+
+
+def test_rows_are_lines_ending_in_newline_whatever_else_their_text_holds(tmp_path):
+    """A prediction may hold U+2028, U+2029 or U+0085 (written as is, ensure_ascii=False), which str.splitlines()
+    also breaks at: every row must read back, and a torn last line is still dropped."""
+    from pcs.run_folder import read_rows, write_rows_atomic
+    rows = [{"id": "0", "prediction": "a\u2028b"}, {"id": "1", "prediction": "c\u0085d\u2029"}, {"id": "2"}]
+    path = tmp_path / "predictions.jsonl"
+    write_rows_atomic(path, rows)
+    assert read_rows(path) == rows
+    with open(path, "a", encoding="utf-8") as f:
+        f.write('{"id": "3", "predic')
+    assert read_rows(path) == rows
+
+
+def test_a_file_system_that_cannot_lock_is_an_error_not_a_busy_run(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+    from pcs.run_folder import exclusive
+
+    def no_locks(*_):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(fcntl, "lockf", no_locks)
+    with pytest.raises(OSError, match="POSIX locks"):
+        with exclusive(tmp_path):
+            pass

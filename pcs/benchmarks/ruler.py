@@ -19,7 +19,7 @@ import urllib.request
 from functools import cached_property
 from pathlib import Path
 
-from ..paths import default_cache_dir, package_dir, write_atomic
+from ..paths import default_cache_dir, package_dir, read_jsonl, write_atomic
 from ..provenance import sha256_files, sha256_text
 from .base import Benchmark, Sample
 from .needle import essay_files
@@ -134,7 +134,7 @@ class Ruler(Benchmark):
         folder = Path(self.cfg.cache_dir or default_cache_dir() / "ruler")
         path = folder / f"{task}_{length}_{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:20]}.jsonl"
         if path.exists():
-            return [json.loads(line) for line in path.read_text().splitlines()]
+            return read_jsonl(path)
         count = lambda text: len(tokenizer.tokenize(text))
         rows = generate(task, count, length, self.n_samples(task), self.cfg.seed, self.words,
                         self.essay if TASKS[task].essay else None, self.vocabulary if task == "cwe" else None,

@@ -10,7 +10,6 @@ replicates on either side of zero (capped at 1). A fixed seed makes the report r
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pandas as pd
 from ..benchmarks.longbench_data import DOMAINS
 from ..benchmarks.ruler_data import GROUPS, domain_name
 from ..identity import RunIdentity
+from ..paths import read_jsonl
 from ..run_folder import saved_config
 from .savings import equivalent_budget
 
@@ -87,7 +87,7 @@ def run_scores(run_dir: Path) -> pd.DataFrame:
     path = Path(run_dir) / "predictions.jsonl"
     if not path.exists():
         raise ValueError(f"{run_dir}: no predictions.jsonl")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+    rows = read_jsonl(path)
     # A benchmark whose score averages finer cells than tasks (RULER: task x length) names them in ``stratum``.
     frame = pd.DataFrame({"id": [r["id"] for r in rows], "score": [r.get("score") for r in rows],
                           "stratum": [r.get("stratum", r.get("task", "")) for r in rows],
