@@ -8,7 +8,9 @@ folders, finished or not, groups them as the report does (``pcs.report.ablation.
 all runs of a group hold, and prints per group the paired difference on the mean over strata with its 95 %
 stratified bootstrap interval (10,000 resamples, seed 0, as the report). A partial run answers its samples one
 stratum at a time in turn, so the shared samples cover every task and length alike; the intervals are those of
-the samples so far and narrow as the runs go on.
+the samples so far and narrow as the runs go on. Rows are read as a resuming job reads them (shards included, a
+torn last line dropped), and per stratum only the first samples every run has answered count: in a decode pool
+answers may land out of order (short ones first), and a hole in one run must not bias which samples are shared.
 """
 from __future__ import annotations
 
@@ -17,8 +19,21 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pcs.report.ablation import ATTENTION, mean_domains, readings          # noqa: E402
-from pcs.report.significance import paired, paired_bootstrap, run_scores   # noqa: E402
+from pcs.report.ablation import ATTENTION, mean_domains, readings           # noqa: E402
+from pcs.report.significance import paired, paired_bootstrap, scores_frame  # noqa: E402
+from pcs.run_folder import all_rows                                         # noqa: E402
+
+
+def prefixes(frames: dict) -> set[str]:
+    """The ids of each stratum's first samples (``<stratum>_<index>``, index 0, 1, ...) that every frame holds."""
+    shared = set()
+    for stratum in set.intersection(*(set(frame["stratum"]) for frame in frames.values())):
+        held = [set(frame["id"][frame["stratum"] == stratum]) for frame in frames.values()]
+        index = 0
+        while all(f"{stratum}_{index}" in ids for ids in held):
+            shared.add(f"{stratum}_{index}")
+            index += 1
+    return shared
 
 
 def main(argv=None) -> int:
@@ -33,8 +48,8 @@ def main(argv=None) -> int:
         model, benchmark, setting, method, budget = group
         if args.setting not in setting or len(members) < 2:
             continue
-        scores = {key: run_scores(reading.run_dir) for key, reading in members.items()}
-        shared = set.intersection(*(set(frame["id"]) for frame in scores.values()))
+        scores = {key: scores_frame(all_rows(reading.run_dir), reading.run_dir) for key, reading in members.items()}
+        shared = prefixes(scores)
         scores = {key: frame[frame["id"].isin(shared)].reset_index(drop=True) for key, frame in scores.items()}
         print(f"\n### {model}, {benchmark}, {setting}, {method}, budget {budget}: {len(shared)} samples shared by "
               f"{len(members)} runs\n")

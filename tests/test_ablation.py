@@ -200,13 +200,13 @@ EXPECTED = {   # reading -> {comparison: delta}
 }
 
 
-def write_ruler_run(root, reading, extra=()):
+def write_ruler_run(root, reading, extra=(), per_stratum=10):
     from test_report import write_run
     overrides = ["benchmark=ruler", "benchmark.tasks=[niah_single_1,niah_single_2]", "benchmark.lengths=[2048,4096]",
                  "method=snapkv", "budget=256", f"ablation={reading}", *extra]
     rows = [{"id": f"{task}_{length}_{i}", "score": SCORES[reading] + (10.0 if length == 4096 else 0.0),
              "task": task, "length": length, "stratum": f"{task}_{length}"}
-            for task in ("niah_single_1", "niah_single_2") for length in (2048, 4096) for i in range(3)]
+            for task in ("niah_single_1", "niah_single_2") for length in (2048, 4096) for i in range(per_stratum)]
     score = SCORES[reading]
     lengths = {str(n): {"tasks": {"niah_single_1": score + extra, "niah_single_2": score + extra},
                         "mean": score + extra} for n, extra in ((2048, 0.0), (4096, 10.0))}
@@ -251,12 +251,27 @@ def test_the_report_has_a_knob_section_and_figure(tmp_path):
     assert main(["--results", str(root), "--out", str(tmp_path / "report"), "--resamples", "200"]) == 0
     report = (tmp_path / "report" / "report.md").read_text()
     assert "## Selection knobs" in report and "![selection knobs](ablation.png)" in report
-    assert "| snapkv | 256 | paper | perturbation_alpha=0.5 | 41.0 | 12 | -4.0* [-4.0, -4.0] | +6.0* [+6.0, +6.0] | - | - |" \
+    assert "| snapkv | 256 | paper | perturbation_alpha=0.5 | 41.0 | 40 | -4.0* [-4.0, -4.0] | +6.0* [+6.0, +6.0] | - | - |" \
         in report
-    assert ("| snapkv | 256 | paper | perturbation_alpha=0.5_epsilon=0.0001 | 65.0 | 12 | +20.0* [+20.0, +20.0] | "
+    assert ("| snapkv | 256 | paper | perturbation_alpha=0.5_epsilon=0.0001 | 65.0 | 40 | +20.0* [+20.0, +20.0] | "
             "+30.0* [+30.0, +30.0] | - | without alpha: -10.0* [-10.0, -10.0]; without epsilon: +24.0* [+24.0, +24.0] |"
             ) in report
     assert (tmp_path / "report" / "ablation.png").stat().st_size > 10_000
+
+
+def test_too_few_samples_per_stratum_give_differences_without_intervals_or_stars(tmp_path):
+    """3 samples per task and length (a pilot): the differences are reported, their intervals are not (with no
+    variation within a stratum the bootstrap would print a point and a star)."""
+    from pcs.report.ablation import knob_effects, markdown
+    root = tmp_path / "results"
+    for reading in ("attention", "paper", "alpha"):
+        write_ruler_run(root, reading, per_stratum=3)
+    effects = knob_effects(sorted(p.parent for p in root.rglob("metrics.json")), resamples=200)
+    average = effects[effects["domain"] == "average"]
+    assert set(average["n"]) == {12} and average["ci_low"].isna().all() and average["p_value"].isna().all()
+    table = "\n".join(markdown(effects))
+    assert "| perturbation_alpha=0.5 | 41.0 | 12 | -4.0 [no interval: < 10 per stratum] | +6.0 [no interval" in table
+    assert "*" not in table
 
 
 def test_readings_one_knob_apart_share_conventions_selection_and_every_other_knob():
@@ -336,9 +351,23 @@ def test_a_rerun_agrees_where_the_difference_of_two_independent_estimates_may_be
     assert done.returncode == 1, done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("| snapkv")]
     assert len(lines) == 2
-    assert lines[0].endswith("| +2.0 +-5.0 | yes | yes |") and "-20.0 [-23.0, -17.0] (100)" in lines[0]
-    assert lines[1].endswith("| -12.0 +-2.8 | no | no |")
-    assert "1 of 2 effects agree" in done.stdout
+    # p: erfc(|d| / (h / 1.96) / sqrt 2): 2 of +-5 -> 0.433; 12 of +-2.83 -> 1e-16; Holm's thresholds 0.025, 0.05
+    assert lines[0].endswith("| +2.0 +-5.0 | yes | yes | 0.433 | no |") and "-20.0 [-23.0, -17.0] (100)" in lines[0]
+    assert lines[1].endswith("| -12.0 +-2.8 | no | no | 0.000 | yes |")
+    assert "1 of 2 effects agree one by one" in done.stdout and "1 differ after Holm's correction" in done.stdout
+
+
+def test_holms_correction_rejects_step_down_and_stops_at_the_first_it_keeps():
+    """Transcribed from Holm (1979): sorted p-values against alpha / (m - rank), rejecting until the first that
+    passes its threshold; a single test is rejected at alpha itself."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("compare_rerun", Path(__file__).parents[1] / "scripts" / "compare_rerun.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # m = 4: thresholds 0.0125, 0.0167, 0.025, 0.05; 0.03 fails its 0.025, so 0.04 is kept although below 0.05
+    assert module.holm([0.04, 0.01, 0.03, 0.015]) == [False, True, False, True]
+    assert module.holm([0.049]) == [True] and module.holm([0.051]) == [False]
+    assert module.holm([0.5, 0.001, 0.02]) == [False, True, True]
 
 
 @pytest.mark.parametrize("grown, ablation", [("ruler_ablation_grown", "ruler_ablation"),

@@ -26,12 +26,27 @@ def test_a_constant_shift_is_the_delta_with_a_zero_width_interval():
 
 
 def test_strata_keep_the_benchmarks_weighting():
-    """LongBench averages task scores: a task of 2 samples weighs as much as one of 6."""
-    d = np.array([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 4.0, 4.0])
-    strata = [np.arange(6), np.arange(6, 8)]
+    """LongBench averages task scores: a task of 10 samples weighs as much as one of 30."""
+    d = np.array([1.0] * 30 + [4.0] * 10)
+    strata = [np.arange(30), np.arange(30, 40)]
     got = paired_bootstrap(d, strata, resamples=500)
     assert got.delta == pytest.approx((1.0 + 4.0) / 2)                   # not the sample mean, 1.75
     assert got.ci_low == pytest.approx(2.5) and got.ci_high == pytest.approx(2.5)   # no variation within tasks
+    assert got.n == 40
+
+
+def test_a_domain_counts_its_own_samples_and_a_stratum_too_small_gives_no_interval():
+    """n is the samples of the strata asked for, not of the run; with a stratum under MIN_STRATUM the replicates
+    cannot vary as the samples would (one sample, or two equal, never do), so no interval and no p-value."""
+    from pcs.report.significance import MIN_STRATUM
+    rng = np.random.default_rng(0)
+    d = rng.normal(0.0, 1.0, size=60)
+    part = paired_bootstrap(d, [np.arange(20), np.arange(20, 35)], resamples=200)
+    assert part.n == 35 and not np.isnan(part.ci_low)
+    small = paired_bootstrap(d, [np.arange(20), np.arange(20, 20 + MIN_STRATUM - 1)], resamples=200)
+    assert small.n == 20 + MIN_STRATUM - 1
+    assert small.delta == pytest.approx((d[:20].mean() + d[20:20 + MIN_STRATUM - 1].mean()) / 2)
+    assert np.isnan(small.ci_low) and np.isnan(small.ci_high) and np.isnan(small.p_value)
 
 
 def test_the_interval_covers_the_true_mean_at_close_to_the_nominal_rate():
@@ -100,13 +115,13 @@ def test_tables_mark_significant_cells_and_savings_get_intervals(tmp_path):
     perturbation 50 at b64, so the equivalent budget is 96 (saving 33.3 %) in every resample."""
     root = tmp_path / "results"
     lb = ["benchmark=longbench", "model=llama31", "method=snapkv"]
-    tasks = ["qasper"] * 4 + ["trec"] * 4
+    tasks = ["qasper"] * 10 + ["trec"] * 10     # MIN_STRATUM samples per task: intervals are computed
     for selection, budget, score in (("attention", 64, 40.0), ("attention", 128, 60.0), ("perturbation", 64, 50.0),
                                      ("perturbation", 128, 60.0)):
         domains = {"single_doc_qa": score, "few_shot": score}
         folder = write_run(root, *lb, f"selection={selection}", f"budget={budget}",
                            metrics={"score": score, "domains": domains})
-        write_predictions(folder, [score] * 8, tasks)
+        write_predictions(folder, [score] * 20, tasks)
     assert main(["--results", str(root), "--out", str(tmp_path / "report"), "--resamples", "300"]) == 0
     table = (tmp_path / "report" / "tables" / "longbench_snapkv.md").read_text()
     assert "| Average | 40.00 | **50.00**\\* | **60.00** | **60.00** |" in table   # b64 differs, b128 does not

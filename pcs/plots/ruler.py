@@ -62,11 +62,15 @@ def bars(compressed: pd.DataFrame, full: pd.DataFrame, deltas: pd.DataFrame):
                 hit = deltas[(deltas["run_dir"] == row.get("run_dir")) & (deltas["length"] == row.get("length"))]
                 if selection != "attention" and not hit.empty:
                     d = hit.iloc[0]
-                    ax.annotate(f"{d['delta']:+.1f}\n[{d['ci_low']:+.1f}, {d['ci_high']:+.1f}]", (x, row["ci_high"]),
+                    # no interval (too few samples per stratum): the difference alone, at the bar's top
+                    interval = "" if pd.isna(d["ci_low"]) else f"\n[{d['ci_low']:+.1f}, {d['ci_high']:+.1f}]"
+                    top = row["score"] if pd.isna(row["ci_high"]) else row["ci_high"]
+                    ax.annotate(f"{d['delta']:+.1f}{interval}", (x, top),
                                 textcoords="offset points", xytext=(0, 3), ha="center", fontsize=6)
         for _, row in full.iterrows():
             ax.axhline(row["score"], color="black", linestyle="--", lw=1)
-            ax.axhspan(row["ci_low"], row["ci_high"], color="black", alpha=0.08)
+            if not pd.isna(row["ci_low"]):
+                ax.axhspan(row["ci_low"], row["ci_high"], color="black", alpha=0.08)
         ax.set_xticks(range(len(budgets)))
         ax.set_xticklabels([f"{b:g}" for b in budgets])
         ax.set_xlabel("budget" + (" (share of each prompt)" if max(budgets) < 1 else " (entries per KV head)"))

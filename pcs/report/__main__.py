@@ -30,7 +30,7 @@ from .collect import collect, paper_tables, run_folders
 from . import needle_heads
 from .ruler import length_deltas, plain, score_intervals
 from .savings import savings
-from .significance import RESAMPLES, SEED, savings_intervals, significance
+from .significance import MIN_STRATUM, RESAMPLES, SEED, savings_intervals, significance
 from .tables import write_method_comparisons, write_tables
 
 
@@ -138,9 +138,10 @@ def significance_section(results: Path, out: Path, resamples: int, seed: int):
                          f"{r['selection']} | {r['domain']} | - | - | {r['note']} | - |")
             continue
         star = "*" if r["ci_low"] > 0 or r["ci_high"] < 0 else ""
+        interval, p = (f"[{r['ci_low']:+.2f}, {r['ci_high']:+.2f}]", f"{r['p_value']:.3f}") if not pd.isna(r["ci_low"]) \
+            else (f"none: a stratum holds fewer than {MIN_STRATUM} samples", "-")
         lines.append(f"| {r['model']} | {r['benchmark']} | {r['method']} | {r['budget']} | {r['variant']} | "
-                     f"{r['selection']} | {r['domain']} | {r['n']} | {r['delta']:+.2f}{star} | [{r['ci_low']:+.2f}, {r['ci_high']:+.2f}] | "
-                     f"{r['p_value']:.3f} |")
+                     f"{r['selection']} | {r['domain']} | {r['n']} | {r['delta']:+.2f}{star} | {interval} | {p} |")
     return table, lines + [""]
 
 

@@ -24,12 +24,13 @@ import pandas as pd
 
 from ..benchmarks.ruler_data import domain_name
 from ..config import default_option
-from .significance import RESAMPLES, SEED, identity, paired, paired_bootstrap, run_scores, strata_of
+from .significance import (MIN_STRATUM, RESAMPLES, SEED, UnpairedError, identity, paired, paired_bootstrap, run_scores,
+                           strata_of)
 
 ATTENTION = "attention"
 COMPARISONS = ("w/o", "paper knobs", "paper conventions")
 COLUMNS = ["model", "benchmark", "setting", "method", "budget", "conventions", "selection", "knobs", "score", "against",
-           "domain", "n", "delta", "ci_low", "ci_high", "half_width", "p_value", "run_dir", "baseline_run_dir"]
+           "domain", "n", "delta", "ci_low", "ci_high", "half_width", "p_value", "note", "run_dir", "baseline_run_dir"]
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,11 @@ def is_ablation(group: dict[tuple[str, str], Reading]) -> bool:
 
 
 def mean_domains(table: pd.DataFrame) -> dict[str, list]:
-    """``average`` (every stratum) and, for a benchmark scored per length, each length's mean (RULER's name)."""
+    """``average`` (every stratum) and, for a benchmark scored per length (its strata are finer than its tasks:
+    RULER's task x length), each length's mean (RULER's name). LongBench's ``length`` is a sample's word count."""
     out = {"average": strata_of(table)}
+    if (table["stratum"] == table["task"]).all():
+        return out
     lengths = sorted({n for n in table["length"] if n is not None and n == n})
     for length in lengths:
         out[domain_name("mean", int(length))] = strata_of(table, length=length)
@@ -133,11 +137,15 @@ def knob_effects(run_dirs: list[Path], resamples: int = RESAMPLES, seed: int = S
                           "knobs": ", ".join(reading.knobs),
                           "score": run_score(reading.run_dir), "against": against,
                           "run_dir": str(reading.run_dir), "baseline_run_dir": str(base.run_dir)}
-                table = paired([scored(base.run_dir), scored(reading.run_dir)])
+                try:
+                    table = paired([scored(base.run_dir), scored(reading.run_dir)])
+                except UnpairedError as err:       # reported in its row, never paired silently
+                    rows.append({**common, "domain": "average", "note": f"unpaired: {err}"})
+                    continue
                 difference = (table[1] - table[0]).to_numpy()
                 for domain, strata in mean_domains(table).items():
                     interval = paired_bootstrap(difference, strata, resamples, seed)
-                    rows.append({**common, "domain": domain, **vars(interval),
+                    rows.append({**common, "domain": domain, **vars(interval), "note": "",
                                  "half_width": (interval.ci_high - interval.ci_low) / 2})
     return pd.DataFrame(rows, columns=COLUMNS)
 
@@ -147,6 +155,10 @@ def cell(rows: pd.DataFrame, against: str) -> str:
     if hit.empty:
         return "-"
     r = hit.iloc[0]
+    if isinstance(r["note"], str) and r["note"]:
+        return r["note"]
+    if pd.isna(r["ci_low"]):
+        return f"{r['delta']:+.1f} [no interval: < {MIN_STRATUM} per stratum]"
     star = "*" if r["ci_low"] > 0 or r["ci_high"] < 0 else ""
     return f"{r['delta']:+.1f}{star} [{r['ci_low']:+.1f}, {r['ci_high']:+.1f}]"
 
@@ -156,6 +168,11 @@ def apart_cell(rows: pd.DataFrame) -> str:
     ``; ``-joined."""
     apart = sorted(set(rows["against"]) - set(COMPARISONS))
     return "; ".join(f"{a}: {cell(rows, a)}" for a in apart) or "-"
+
+
+def n_text(rows: pd.DataFrame) -> str:
+    counts = rows["n"].dropna()
+    return str(int(counts.iloc[0])) if len(counts) else "-"
 
 
 def markdown(effects: pd.DataFrame, domain: str = "average") -> list[str]:
@@ -169,7 +186,7 @@ def markdown(effects: pd.DataFrame, domain: str = "average") -> list[str]:
         for (method, budget, conventions, selection), rows in block.groupby(
                 ["method", "budget", "conventions", "selection"], sort=True):
             lines.append(f"| {method} | {budget} | {conventions or 'paper'} | {selection} | {rows['score'].iloc[0]:.1f} | "
-                         f"{int(rows['n'].iloc[0])} | {cell(rows, 'w/o')} | {cell(rows, 'paper knobs')} | "
+                         f"{n_text(rows)} | {cell(rows, 'w/o')} | {cell(rows, 'paper knobs')} | "
                          f"{cell(rows, 'paper conventions')} | {apart_cell(rows)} |")
         lines.append("")
     return lines

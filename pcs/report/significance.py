@@ -25,6 +25,9 @@ from .savings import equivalent_budget
 
 RESAMPLES, SEED, LEVEL = 10_000, 0, 0.95
 CHUNK = 1_000   # replicates drawn at a time, to bound memory on large runs
+# Samples every stratum needs for an interval: a stratum of 1 sample, or of 2 equal ones, never varies under
+# resampling, and a few understate its spread, so such an interval would look certain where nothing is known.
+MIN_STRATUM = 10
 
 
 class UnpairedError(ValueError):
@@ -33,6 +36,8 @@ class UnpairedError(ValueError):
 
 @dataclass
 class Interval:
+    """A stratified mean of ``n`` samples and its interval; ``ci_low``, ``ci_high`` and ``p_value`` are NaN where a
+    stratum holds fewer than ``MIN_STRATUM`` samples."""
     n: int
     delta: float
     ci_low: float
@@ -75,10 +80,13 @@ def paired_bootstrap(differences, strata: list[np.ndarray] | None = None, resamp
     """Interval and two-sided p-value of the (stratified) mean of paired ``differences``."""
     d = np.asarray(differences, dtype=float)
     strata = strata or [np.arange(len(d))]
+    n, delta = int(sum(len(s) for s in strata)), stratified_mean(d, strata)
+    if min(len(s) for s in strata) < MIN_STRATUM:
+        return Interval(n, delta, float("nan"), float("nan"), float("nan"))
     draws = replicates(d[:, None], strata, resamples, np.random.default_rng(seed))[:, 0]
     low, high = percentile_interval(draws, level)
     p = min(1.0, 2 * min(float((draws <= 0).mean()), float((draws >= 0).mean())))
-    return Interval(len(d), stratified_mean(d, strata), low, high, p)
+    return Interval(n, delta, low, high, p)
 
 
 def run_scores(run_dir: Path) -> pd.DataFrame:
@@ -87,7 +95,11 @@ def run_scores(run_dir: Path) -> pd.DataFrame:
     path = Path(run_dir) / "predictions.jsonl"
     if not path.exists():
         raise ValueError(f"{run_dir}: no predictions.jsonl")
-    rows = read_jsonl(path)
+    return scores_frame(read_jsonl(path), run_dir)
+
+
+def scores_frame(rows: list[dict], run_dir: Path) -> pd.DataFrame:
+    """``run_scores``' frame of prediction rows."""
     # A benchmark whose score averages finer cells than tasks (RULER: task x length) names them in ``stratum``.
     frame = pd.DataFrame({"id": [r["id"] for r in rows], "score": [r.get("score") for r in rows],
                           "stratum": [r.get("stratum", r.get("task", "")) for r in rows],
@@ -216,7 +228,10 @@ def saving_interval(base: pd.DataFrame, cand: pd.DataFrame, budget: int, resampl
         return {**empty, "ci_note": str(err)}
     k = len(base)
     values = table[list(range(k + 1))].to_numpy()
-    draws = replicates(values, strata_of(table), resamples, np.random.default_rng(seed))
+    strata = strata_of(table)
+    if min(len(s) for s in strata) < MIN_STRATUM:
+        return {**empty, "ci_note": f"a stratum holds fewer than {MIN_STRATUM} samples: no interval"}
+    draws = replicates(values, strata, resamples, np.random.default_rng(seed))
     budgets = base["budget"].tolist()
     equivalent = np.array([equivalent_budget(budgets, list(d[:k]), d[k])[0] for d in draws], dtype=float)
     inside = equivalent[np.isfinite(equivalent)]
