@@ -186,3 +186,15 @@ def test_metrics_carry_provenance(tiny_model_dir, tmp_path):
     assert metrics["device"] == "cpu" and metrics["dtype"] == "float32"
     assert len(metrics["data"]["haystack"]) == 64 and len(metrics["data"]["prompt"]) == 64
     assert metrics["started_at"] <= metrics["ended_at"]
+
+
+def test_a_result_hidden_by_a_cached_listing_is_looked_for_again_before_a_job_is_failed(tmp_path):
+    """After the grace period the launcher asks once more, with the folder's attributes set to what they are (an
+    NFS client then asks the server): the file is found if it exists, the folder's mode is unchanged."""
+    from hydra_plugins.pcs_launcher.pcs_launcher import refreshed
+    folder = tmp_path / "job"
+    folder.mkdir(mode=0o750)
+    mode = folder.stat().st_mode
+    assert not refreshed(folder / "0_result.pkl")
+    (folder / "0_result.pkl").write_bytes(b"x")
+    assert refreshed(folder / "0_result.pkl") and folder.stat().st_mode == mode

@@ -8,6 +8,7 @@ one job after another), as a SLURM job array (``hydra/launcher=slurm``) or as lo
 import copy
 import functools
 import json
+import os
 import sys
 import time
 import traceback
@@ -207,6 +208,17 @@ QUEUE_POLL_S = 15          # squeue at most this often
 RESULT_GRACE_S = 15        # for a result file to appear on a shared filesystem after its job ended
 
 
+def refreshed(path: Path) -> bool:
+    """Whether ``path`` exists, asked after setting its folder's mode to what it is: an NFS client may answer from
+    a directory listing cached for 30 s or more (acdirmin), hiding a file another node wrote, and a change of
+    attributes makes it ask the server again (submitit does the same before it reads a result)."""
+    try:
+        os.chmod(path.parent, path.parent.stat().st_mode)
+    except OSError:
+        pass
+    return path.exists()
+
+
 def collect(jobs: list, watch_queue: bool) -> list:
     """Each submitted job's returns, or the exception that ended it. A SLURM job that ends without its result
     (``scancel``, a node lost, killed out of memory) fails its runs as soon as the queue says so: submitit on its
@@ -234,7 +246,7 @@ def collect(jobs: list, watch_queue: bool) -> list:
                     ended.setdefault(i, (time.time(), state or "gone from the queue"))
                 else:
                     ended.pop(i, None)
-            if i in ended and time.time() - ended[i][0] > RESULT_GRACE_S:
+            if i in ended and time.time() - ended[i][0] > RESULT_GRACE_S and not refreshed(job.paths.result_pickle):
                 results[i] = RuntimeError(f"SLURM job {job.job_id} ended without a result ({ended[i][1]}): "
                                           f"resubmit the sweep; it resumes from the rows on disk")
         time.sleep(1)
