@@ -157,6 +157,16 @@ def same_but_for_the_sample_count(run_dir: Path, saved: dict) -> list[Path]:
 ANSWERS_FROM = "answers_from.json"
 
 
+def answers_taken(run_dir: Path) -> dict | None:
+    """The run a grown run took answers from and how many (``pcs.runner.grow``), summed over its shards."""
+    notes = [json.loads(path.read_text()) for path in [Path(run_dir) / ANSWERS_FROM,
+                                                       *sorted((Path(run_dir) / SHARDS).glob(f"*/{ANSWERS_FROM}"))]
+             if path.exists()]
+    if not notes:
+        return None
+    return {"run": ", ".join(sorted({note["run"] for note in notes})), "rows": sum(note["rows"] for note in notes)}
+
+
 # What ``python -m pcs.status`` reads besides the rows: the run's sample count, and per job folder (the run's or a
 # shard's) who is working in it and how its last job failed.
 SAMPLES, RUNNING, ERROR = "samples.json", "running.json", "error.txt"

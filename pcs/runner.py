@@ -22,7 +22,7 @@ from .identity import PER_CELL, RunIdentity
 from .models import load_model, stop_token_ids
 from .output_perturbation import perturbation_row
 from .provenance import now, provenance
-from .run_folder import (ANSWERS_FROM, all_rows, exclusive, in_shard, is_finished, note_samples, prepare, read_rows,
+from .run_folder import (ANSWERS_FROM, all_rows, answers_taken, exclusive, in_shard, is_finished, note_samples, prepare, read_rows,
                          same_but_for_the_sample_count, saved_config, shard_dir, working, write_json_atomic,
                          write_rows_atomic)
 from .tracking import log_run
@@ -156,8 +156,7 @@ def execute(cells: list[Cell], shard: tuple[int, int] = (0, 1)) -> list[dict | N
         for cell in cells:
             cell.context = RunContext(model, tokenizer, cell.methods, stops, cell.cfg, cell.benchmark)
             note_samples(cell.run_dir, len(samples))
-            if shard[1] == 1:
-                grow(cell, samples, tokenizer)
+            grow(cell, samples, tokenizer, shard)
             cell.out = files.enter_context(resumed(cell, len(samples)))
         speed = Throughput(pool)
         name = first.identity.folder if len(cells) == 1 else f"{len(cells)} runs sharing each prefill"
@@ -225,24 +224,25 @@ def merged(cell: Cell, samples: list, shard: tuple[int, int], summary) -> dict |
         return summary(cell)
 
 
-def grow(cell: Cell, samples: list, tokenizer) -> None:
+def grow(cell: Cell, samples: list, tokenizer, shard: tuple[int, int] = (0, 1)) -> None:
     """A new run that is a finished run beside it but for ``benchmark.n_samples`` starts from that run's answers
     to the samples both have, so that more samples cost only the new ones. A sample counts as the same only if
     the other count's benchmark builds it equal in every field (prompt, question, references), since a generator
     may draw a count's samples differently. Its rows then are what this run would write: the same config and
-    sample, answered one at a time or in a pool alike. An unsharded job only: shards each answer their share."""
-    if all_rows(cell.run_dir):
+    sample, answered one at a time or in a pool alike. A shard takes the answers to its own share, into its own
+    file, while none of its share is answered yet."""
+    mine = {sample.id: sample for i, sample in enumerate(samples) if in_shard(i, *shard)}
+    if any(row["id"] in mine for row in all_rows(cell.run_dir)):
         return
-    wanted = {sample.id: sample for sample in samples}
     for other in same_but_for_the_sample_count(cell.run_dir, cell.identity.saved_data()):
         count = OmegaConf.to_container(saved_config(other).benchmark, resolve=True)["n_samples"]
         theirs = build_benchmark(OmegaConf.merge(cell.cfg, {"benchmark": {"n_samples": count}})).samples(tokenizer)
-        same = {sample.id for sample in theirs if wanted.get(sample.id) == sample}
+        same = {sample.id for sample in theirs if mine.get(sample.id) == sample}
         rows = [row for row in read_rows(other / "predictions.jsonl") if row["id"] in same]
         if rows:
-            write_rows_atomic(cell.run_dir / "predictions.jsonl", rows)
-            write_json_atomic(cell.run_dir / ANSWERS_FROM, {"run": other.name, "rows": len(rows)})
-            print(f"[pcs] {cell.run_dir}: {len(rows)} of {len(samples)} samples answered by {other.name} (the same "
+            write_rows_atomic(cell.out_dir / "predictions.jsonl", rows)
+            write_json_atomic(cell.out_dir / ANSWERS_FROM, {"run": other.name, "rows": len(rows)})
+            print(f"[pcs] {cell.out_dir}: {len(rows)} of {len(mine)} samples answered by {other.name} (the same "
                   f"run on n_samples={count}); the rest is new")
             return
 
@@ -283,8 +283,7 @@ def summarize(cell: Cell, model, started_at: str, wall_time_s: float, group_size
         "group_size": group_size,                   # runs that shared the model and each sample's prefill
         "engine": engine,                           # how answers decoded (execution: not part of the run's identity)
         "shards": shards,                           # jobs the samples were split over (this invocation's count)
-        **({"answers_from": json.loads(answers_from.read_text())}      # the run it was grown from (``grow``)
-           if (answers_from := cell.run_dir / ANSWERS_FROM).exists() else {}),
+        **({"answers_from": taken} if (taken := answers_taken(cell.run_dir)) else {}),   # ``grow``'s source
         **provenance(cell.cfg, model, started_at, cell.benchmark.data_hashes()),
     })
     cell.benchmark.finish(rows, metrics, cell.run_dir)

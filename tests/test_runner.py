@@ -215,6 +215,22 @@ def test_a_run_on_more_samples_answers_only_the_new_ones(tiny_model_dir, tmp_pat
     assert grown["score"] == fresh["score"]
 
 
+def test_shards_of_a_grown_run_each_take_their_share_of_the_answers(tiny_model_dir, tmp_path):
+    """The 3-sample run in 2 shards beside the finished 2-sample run: shard 0 (samples 0 and 2) takes sample 0's
+    answer and answers sample 2, shard 1 takes sample 1's; the merged run names its source once with both rows."""
+    from pcs.runner import run_cells
+    results = tmp_path / "results"
+    small = ruler_cfg(tiny_model_dir, tmp_path, results, "benchmark.n_samples=2")
+    run(small)
+    grown_cfg = ruler_cfg(tiny_model_dir, tmp_path, results, "benchmark.n_samples=3")
+    assert run_cells([grown_cfg], shard=(0, 2)) == [None]
+    shards = folder(results, grown_cfg) / "shards"
+    assert json.loads((shards / "0-of-2" / "answers_from.json").read_text())["rows"] == 1
+    (grown,) = run_cells([grown_cfg], shard=(1, 2))
+    assert grown["answers_from"] == {"run": folder(results, small).name, "rows": 2} and grown["n_samples"] == 3
+    assert rows_of(results, grown_cfg)[:2] == rows_of(results, small)
+
+
 def test_growing_a_run_takes_only_the_samples_the_other_count_builds_alike(tiny_model_dir, tmp_path, monkeypatch):
     """Where the smaller count's benchmark builds a sample with the same id but another prompt, that sample is
     answered anew."""
