@@ -5,7 +5,7 @@ full cache reads the needle with when it answers (retrieval heads).
 
 The runs must share their samples and prefill (one sweep group: the same model and benchmark settings, the
 needle tasks of RULER); the group's full-cache run is found beside them. For each of the first ``--samples``
-samples of each task:
+samples of each task and length:
 
 - the needle's value tokens: the context positions whose text overlaps an expected answer (``outputs``), and its
   key tokens: the rest of the needle's sentence ("One of the special magic numbers for <key> is:");
@@ -152,9 +152,10 @@ def analyse(run_dirs: list[Path], n_samples: int) -> dict:
     rows = []
     for sample in benchmark.samples(tokenizer):
         task = sample.meta.get("task", "")
-        if per_task.get(task, 0) >= n_samples or not all(sample.id in s for s in scores.values()):
+        stratum = sample.meta.get("stratum", task)      # RULER's task x length: every length alike
+        if per_task.get(stratum, 0) >= n_samples or not all(sample.id in s for s in scores.values()):
             continue
-        per_task[task] = per_task.get(task, 0) + 1
+        per_task[stratum] = per_task.get(stratum, 0) + 1
         prompt = benchmark.encode(sample, tokenizer, first.model)
         positions = value_positions(tokenizer, prompt.context, list(sample.meta["outputs"]))
         key = key_positions(tokenizer, prompt.context, list(sample.meta["outputs"]))
@@ -190,7 +191,7 @@ def full_run_beside(runs: dict) -> list[Path]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pcs.needle_heads", description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run folders of one sweep group (a needle task)")
-    parser.add_argument("--samples", type=int, default=20, help="first samples of each task (default 20)")
+    parser.add_argument("--samples", type=int, default=20, help="first samples of each task and length (default 20)")
     parser.add_argument("--out", type=Path, required=True, help="the JSON file written")
     args = parser.parse_args(argv)
     analysis = analyse(args.runs, args.samples)
