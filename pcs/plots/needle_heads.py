@@ -39,7 +39,9 @@ def needle_heads_figure(retrieval: np.ndarray, kept: dict[str, np.ndarray], head
     ax.set_title("full cache: attention\non the needle (mean)", fontsize=8)
     ax.set_xlabel("query head", fontsize=7)
     ax.set_ylabel("layer", fontsize=7)
-    fig.colorbar(image, ax=ax, location="bottom", fraction=0.05, pad=0.08)
+    # its colour bar below it, outside the panel: taking the panel's room would shrink it, and its layers would
+    # no longer line up with the other panels' rows
+    fig.colorbar(image, cax=ax.inset_axes([0.0, -0.2, 1.0, 0.03]), orientation="horizontal")
     for ax, name, grid in zip(axes[0][1:], panel_names(list(kept)), kept.values()):
         image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
         group = n_q // grid.shape[1] if grid.shape[1] else 1
@@ -47,10 +49,10 @@ def needle_heads_figure(retrieval: np.ndarray, kept: dict[str, np.ndarray], head
             ax.add_patch(Rectangle((head // group - 0.5, layer - 0.5), 1, 1, fill=False, edgecolor="red", lw=1.2))
         ax.set_title("\n".join(textwrap.wrap(name.replace("_", " "), 26)) + "\nneedle kept (share)", fontsize=8)
         ax.set_xlabel("KV head", fontsize=7)
-        ax.set_yticks([])
-    for ax in axes[0]:
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xticks(range(grid.shape[1]))      # a model may have one KV head a layer (Gemma 3 270M)
+        ax.set_yticks([])                        # the layers are the first panel's
+    axes[0][0].xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0][0].yaxis.set_major_locator(MaxNLocator(integer=True))
     fig.colorbar(image, ax=list(axes[0][1:]), fraction=0.04)
     fig.suptitle(title, fontsize=9, y=1.06)
     path.parent.mkdir(parents=True, exist_ok=True)
