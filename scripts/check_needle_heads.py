@@ -19,6 +19,10 @@ pcs's engine, caches, methods or ``run_prefill``:
   needle sentence before the value ("One of the special magic ... is: "), the value's own left out, and SnapKV's
   kept share of those too.
 
+A hybrid model's sliding-window layers (transformers' ``layer_types``) hold only the model's window: nothing is
+measured there, on either side (NaN masses, no kept sets), and a layer measured on one side only fails the check.
+A fractional budget keeps ``int(share x n)`` entries of an n-token context, as the config documents.
+
 It prints the largest difference from the file for each quantity and exits non-zero if any exceeds the tolerance.
 """
 from __future__ import annotations
@@ -61,10 +65,22 @@ def key_positions(tokenizer, ids: list[int], values: list[str], value_tokens: li
     return sorted(overlapping(spans, hits) - set(value_tokens))
 
 
-def snapkv_kept(attentions, n_kv: int, budget: int, window: int, kernel: int) -> list[list[torch.Tensor]]:
-    """Per layer, per KV head: the kept positions (SnapKV, paper profile, attention selection)."""
+def sliding_layers(config) -> list[bool]:
+    """Which layers attend through a sliding window (transformers' ``layer_types``; none where a config has none):
+    they hold only the model's window, so nothing is chosen there and no mass on an old needle is read."""
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return [kind == "sliding_attention" for kind in types]
+
+
+def snapkv_kept(attentions, n_kv: int, budget: int, window: int, kernel: int,
+                sliding: list[bool]) -> list[list[torch.Tensor] | None]:
+    """Per layer, per KV head: the kept positions (SnapKV, paper profile, attention selection); None for a sliding
+    layer."""
     kept = []
-    for layer_attention in attentions:                       # (1, H_q, n, n)
+    for layer_attention, is_sliding in zip(attentions, sliding):   # (1, H_q, n, n)
+        if is_sliding:
+            kept.append(None)
+            continue
         a = layer_attention[0, :, -window:, :-window].sum(1)  # (H_q, n - window)
         pooled = torch.nn.functional.max_pool1d(a[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
         group = pooled.shape[0] // n_kv
@@ -79,8 +95,30 @@ def snapkv_kept(attentions, n_kv: int, budget: int, window: int, kernel: int) ->
     return kept
 
 
+def entries(budget, n_tokens: int, window: int) -> int:
+    """Entries per KV head as the project's config documents ``budget`` (pcs/budget.py's docstring, the user's
+    contract): an integer as it is, a fraction in (0, 1) ``int(share x n)`` for a prompt of n tokens, never fewer
+    than the window."""
+    return max(int(budget * n_tokens), window) if isinstance(budget, float) else int(budget)
+
+
+def share_gap(kept: list, wanted: list[int], recorded: list) -> float:
+    """The largest difference between the share of ``wanted`` each (layer, KV head) keeps and the file's; a layer
+    one side measured and the other did not (sliding: None) is an infinite difference."""
+    wanted, gap = torch.tensor(wanted), 0.0
+    for heads, theirs in zip(kept, recorded, strict=True):
+        if heads is None or theirs is None:
+            gap = max(gap, 0.0 if heads is None and theirs is None else float("inf"))
+            continue
+        share = torch.tensor([float(torch.isin(wanted, h).float().mean()) for h in heads])
+        gap = max(gap, float((share - torch.tensor(theirs)).abs().max()))
+    return gap
+
+
 def retrieval_masses(model, ids: list[int], positions: list[int], stops: set[int]) -> torch.Tensor:
-    """(L, H_q): mean attention mass on ``positions`` over the fed answer tokens of the greedy full cache."""
+    """(L, H_q): mean attention mass on ``positions`` over the fed answer tokens of the greedy full cache (NaN in a
+    sliding layer)."""
+    sliding = sliding_layers(model.config)
     with torch.inference_mode():
         out = model(input_ids=torch.tensor([ids]), use_cache=True)
         cache, token, steps = out.past_key_values, int(out.logits[0, -1].argmax()), []
@@ -88,7 +126,9 @@ def retrieval_masses(model, ids: list[int], positions: list[int], stops: set[int
             out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
                         output_attentions=True)
             cache = out.past_key_values
-            steps.append(torch.stack([a[0, :, -1, positions].sum(-1) for a in out.attentions]))
+            steps.append(torch.stack([torch.full((a.shape[1],), float("nan")) if is_sliding
+                                      else a[0, :, -1, positions].sum(-1)
+                                      for a, is_sliding in zip(out.attentions, sliding)]))
             token = int(out.logits[0, -1].argmax())
             if token in stops:
                 break
@@ -118,6 +158,7 @@ def main(argv=None) -> int:
     model.set_attn_implementation("eager")
     stops = stop_token_ids(model, tokenizer, full_cfg.model.stop_tokens)
     n_kv = model.config.num_key_value_heads
+    sliding = sliding_layers(model.config)
     benchmark = build_benchmark(full_cfg)
     prompts = {s.id: benchmark.encode(s, tokenizer, full_cfg.model) for s in benchmark.samples(tokenizer)}
 
@@ -136,22 +177,22 @@ def main(argv=None) -> int:
         if key is not None:
             worst["positions"] = max(worst["positions"], int(key != row["key_positions"]))
         mass = retrieval_masses(model, ids + list(prompt.question or []), positions, stops)
-        mass_gap = float((mass - torch.tensor(row["retrieval"])).abs().max())
+        recorded = torch.tensor(row["retrieval"], dtype=mass.dtype)
+        # the same layers unmeasured (sliding), then the largest difference where both measured
+        mass_gap = float("inf") if not torch.equal(mass.isnan(), recorded.isnan()) else \
+            float((mass - recorded).abs().nan_to_num(0.0).max())
         with torch.inference_mode():
             attentions = model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
         line = f"{row['id']}: needle {positions[0]}..{positions[-1]}, retrieval mass |diff| {mass_gap:.2e}"
         for run in snapkv_runs:
             cfg = load_config(root / run)
-            kept = snapkv_kept(attentions, n_kv, int(cfg.budget), cfg.method.window, cfg.method.kernel)
-            wanted = torch.tensor(positions)
-            share = torch.tensor([[float(torch.isin(wanted, h).float().mean()) for h in layer] for layer in kept])
-            kept_gap = float((share - torch.tensor(row["runs"][run]["kept"])).abs().max())
+            kept = snapkv_kept(attentions, n_kv, entries(cfg.budget, len(ids), cfg.method.window),
+                               cfg.method.window, cfg.method.kernel, sliding)
+            kept_gap = share_gap(kept, positions, row["runs"][run]["kept"])
             worst["kept"] = max(worst["kept"], kept_gap)
             line += f"; {cfg.method.name} b{cfg.budget} kept share |diff| {kept_gap:.3f}"
             if key is not None:
-                wanted = torch.tensor(key)
-                share = torch.tensor([[float(torch.isin(wanted, h).float().mean()) for h in layer] for layer in kept])
-                key_gap = float((share - torch.tensor(row["runs"][run]["kept_key"])).abs().max())
+                key_gap = share_gap(kept, key, row["runs"][run]["kept_key"])
                 worst["key"] = max(worst["key"], key_gap)
                 line += f", key {key_gap:.3f}"
         worst["mass"] = max(worst["mass"], mass_gap)
