@@ -259,6 +259,19 @@ def test_the_report_has_a_knob_section_and_figure(tmp_path):
     assert (tmp_path / "report" / "ablation.png").stat().st_size > 10_000
 
 
+def test_only_a_benchmark_scored_per_length_gets_per_length_domains():
+    """RULER's strata are task x length: a mean per length. LongBench's strata are its tasks and its ``length`` a
+    sample's word count: the average alone (not one domain per word count)."""
+    import pandas as pd
+    from pcs.report.ablation import mean_domains
+    ruler = pd.DataFrame({"task": ["a", "a", "b", "b"], "length": [2048, 4096, 2048, 4096],
+                          "stratum": ["a_2048", "a_4096", "b_2048", "b_4096"]})
+    assert sorted(mean_domains(ruler)) == ["average", "mean_2048", "mean_4096"]
+    longbench = pd.DataFrame({"task": ["qasper", "qasper", "trec"], "length": [3512, 4120, 2210],
+                              "stratum": ["qasper", "qasper", "trec"]})
+    assert list(mean_domains(longbench)) == ["average"]
+
+
 def test_too_few_samples_per_stratum_give_differences_without_intervals_or_stars(tmp_path):
     """3 samples per task and length (a pilot): the differences are reported, their intervals are not (with no
     variation within a stratum the bootstrap would print a point and a star)."""

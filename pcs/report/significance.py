@@ -30,6 +30,11 @@ CHUNK = 1_000   # replicates drawn at a time, to bound memory on large runs
 MIN_STRATUM = 10
 
 
+def too_few(strata: list[np.ndarray]) -> bool:
+    """Whether some stratum holds fewer than ``MIN_STRATUM`` samples (then no interval is given)."""
+    return min(len(s) for s in strata) < MIN_STRATUM
+
+
 class UnpairedError(ValueError):
     """Two runs whose samples differ cannot be compared sample by sample."""
 
@@ -81,7 +86,7 @@ def paired_bootstrap(differences, strata: list[np.ndarray] | None = None, resamp
     d = np.asarray(differences, dtype=float)
     strata = strata or [np.arange(len(d))]
     n, delta = int(sum(len(s) for s in strata)), stratified_mean(d, strata)
-    if min(len(s) for s in strata) < MIN_STRATUM:
+    if too_few(strata):
         return Interval(n, delta, float("nan"), float("nan"), float("nan"))
     draws = replicates(d[:, None], strata, resamples, np.random.default_rng(seed))[:, 0]
     low, high = percentile_interval(draws, level)
@@ -229,7 +234,7 @@ def saving_interval(base: pd.DataFrame, cand: pd.DataFrame, budget: int, resampl
     k = len(base)
     values = table[list(range(k + 1))].to_numpy()
     strata = strata_of(table)
-    if min(len(s) for s in strata) < MIN_STRATUM:
+    if too_few(strata):
         return {**empty, "ci_note": f"a stratum holds fewer than {MIN_STRATUM} samples: no interval"}
     draws = replicates(values, strata, resamples, np.random.default_rng(seed))
     budgets = base["budget"].tolist()
