@@ -80,6 +80,35 @@ def test_smoke_multirun_as_one_submitit_job(embedded_dir, tmp_path):
     assert len(list((tmp_path / "multirun").rglob("*_result.pkl"))) == 1     # one submitit job for the group
 
 
+def test_a_submitted_job_runs_the_configs_checked_at_submission(tiny_model_dir, tmp_path):
+    """A task that starts or is requeued after the checkout's config files changed still runs what was
+    submitted: its submitted pickle, run again after the experiment's file is edited, makes no other run."""
+    experiments = tmp_path / "conf" / "experiment"
+    experiments.mkdir(parents=True)
+    edited = experiments / "edited_later.yaml"
+    edited.write_text("# @package _global_\nbudget: 64\n")
+    results = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "run.py", "-m", "hydra/launcher=local_jobs",
+                           f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "experiment=edited_later",
+                           *needle_args(tiny_model_dir, results)[:1], f"results_dir={results}", "progress=false",
+                           "benchmark.context_lengths=[200]", "benchmark.depth_percents=[50]",
+                           "benchmark.max_new_tokens=6", "method=snapkv,adakv", f"hydra.sweep.dir={tmp_path / 'm'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    finished = sorted(p.parent.name for p in results.rglob("metrics.json"))
+    assert len(finished) == 2 and all("_b64_" in name for name in finished)
+    (submitted,) = (tmp_path / "m").rglob("*_submitted.pkl")        # one job for the group
+
+    edited.write_text("# @package _global_\nbudget: 48\n")
+    again = subprocess.run([sys.executable, "-c", (
+        "import sys; from submitit.core.utils import DelayedSubmission; "
+        "rets = DelayedSubmission.load(sys.argv[1]).result(); print(sorted(r.cfg.budget for r in rets))"),
+        str(submitted)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout.strip().splitlines()[-1] == "[64, 64]"
+    assert sorted(p.parent.name for p in results.rglob("metrics.json")) == finished
+
+
 def needle_args(model_dir, results):
     return [f"model.path={model_dir}", f"results_dir={results}", "progress=false", "budget=64",
             "benchmark.context_lengths=[200,300,400]", "benchmark.depth_percents=[0,50,100]",

@@ -7,7 +7,6 @@ one job after another), as a SLURM job array (``hydra/launcher=slurm``) or as lo
 
 import copy
 import functools
-import json
 import os
 import sys
 import time
@@ -31,14 +30,14 @@ from pcs.errors import ConfigError
 from pcs.slurm_queue import ENDED_STATES, queue_states
 from pcs.sweep import describe, plan
 
-CELLS = "pcs_cells="   # a grouped job's one "override": JSON of its runs' override lists and its shard
 
 
 class ComposedOnce:
     """Hydra's sweeper composes each cell's config to check it, then hands the launcher only the cell's overrides,
     to compose again (a quarter of a second a cell). Installed as the config loader's ``load_sweep_config`` by the
     launcher's ``setup``, this keeps the sweeper's composition for the launcher's ``cell_config``, which takes it
-    (and the launcher owns it from then on). A job on a cluster node, unpickled, composes its own cells."""
+    (and the launcher owns it from then on). Pickled with a submitted job as the plain loader (the job carries
+    its configs and composes nothing)."""
 
     def __init__(self, loader) -> None:
         self.loader, self.kept = loader, {}
@@ -169,8 +168,10 @@ class Grouped:
         if self.dry_run:
             return returns(cfgs, job_overrides, JobStatus.COMPLETED, [None] * len(cfgs))
         check_benchmarks(cfgs)
-        jobs = [[CELLS + json.dumps({"runs": [list(job_overrides[i]) for i in group], "shard": [k, self.shards]})]
-                for group in groups for k in range(self.shards)]        # one task of the job array each
+        # One task of the job array each, carrying its runs' configs as composed and checked here: a task that
+        # starts (or is requeued) later runs exactly these, whatever the checkout's YAML files say by then.
+        jobs = [{"runs": [list(job_overrides[i]) for i in group], "cfgs": [cfgs[i] for i in group],
+                 "shard": [k, self.shards]} for group in groups for k in range(self.shards)]
         owners = [group for group in groups for _ in range(self.shards)]      # each job's group
         done = [result if not isinstance(result, BaseException) else     # a job that ended without its returns
                 returns([cfgs[i] for i in group], [job_overrides[i] for i in group], JobStatus.FAILED,
@@ -178,7 +179,7 @@ class Grouped:
                 for group, result in zip(owners, collect(self.submit(jobs, initial_job_idx), self._EXECUTOR == "slurm"))]
         return per_run(len(cfgs), groups, done, self.shards)
 
-    def submit(self, jobs: list[list[str]], initial_job_idx: int) -> list:
+    def submit(self, jobs: list[dict], initial_job_idx: int) -> list:
         """The jobs submitted as hydra-submitit-launcher submits a sweep's (its executor, resources, folders and
         job arguments); they are waited on by ``collect``, not by submitit alone."""
         import submitit
@@ -190,18 +191,16 @@ class Grouped:
         shared = set(OmegaConf.structured(BaseQueueConf).keys())
         executor.update_parameters(**{k if k in shared else f"{self._EXECUTOR}_{k}": v for k, v in params.items()})
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
-        arguments = [(list(job), "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{initial_job_idx + i}",
+        arguments = [(job, "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{initial_job_idx + i}",
                       Singleton.get_state()) for i, job in enumerate(jobs)]
         return executor.map_array(self, *zip(*arguments))
 
-    def __call__(self, sweep_overrides, job_dir_key, job_num, job_id, singleton_state) -> list[JobReturn]:
-        """Runs on the cluster node: the group's runs, from their override lists."""
+    def __call__(self, job: dict, job_dir_key, job_num, job_id, singleton_state) -> list[JobReturn]:
+        """Runs on the cluster node: the group's runs, from the configs composed at submission (never composed
+        again from the node's config files)."""
         Singleton.set_state(singleton_state)
         setup_globals()
-        (encoded,) = sweep_overrides
-        job = json.loads(encoded[len(CELLS):])
-        cfgs = [cell_config(self.hydra_context, self.config, o, job_num) for o in job["runs"]]
-        return run_group(cfgs, job["runs"], job["shard"])
+        return run_group(job["cfgs"], job["runs"], job["shard"])
 
 
 QUEUE_POLL_S = 15          # squeue at most this often
