@@ -9,7 +9,7 @@ import functools
 import json
 import os
 import socket
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -135,22 +135,39 @@ def all_rows(run_dir: Path) -> list[dict]:
     return rows
 
 
-def but_for_the_sample_count(saved: dict) -> dict:
-    """A saved config's data without ``benchmark.n_samples``."""
-    benchmark = {k: v for k, v in saved.get("benchmark", {}).items() if k != "n_samples"}
+# The benchmark knobs that only choose which samples a run holds: a run that differs from another only in these
+# can take that run's answers to the samples both build alike (pcs.runner.grow).
+SAMPLE_CHOICE = ("n_samples", "tasks")
+
+
+def sample_choice(saved: dict) -> dict:
+    """A saved config's ``SAMPLE_CHOICE`` knobs."""
+    return {k: v for k, v in saved.get("benchmark", {}).items() if k in SAMPLE_CHOICE}
+
+
+def but_for_the_samples(saved: dict) -> dict:
+    """A saved config's data without its ``SAMPLE_CHOICE`` knobs."""
+    benchmark = {k: v for k, v in saved.get("benchmark", {}).items() if k not in SAMPLE_CHOICE}
     return {**saved, "benchmark": benchmark}
 
 
-def same_but_for_the_sample_count(run_dir: Path, saved: dict) -> list[Path]:
-    """Finished runs beside ``run_dir`` whose config is ``saved`` (a run's ``saved_data``) in everything but
-    ``benchmark.n_samples``: the same run on another count of samples, the run with most rows first."""
-    mine = but_for_the_sample_count(saved)
-    found = []
-    for other in sorted(Path(run_dir).parent.iterdir()):
-        if other != Path(run_dir) and is_finished(other) and (other / "config.yaml").exists() \
-                and but_for_the_sample_count(OmegaConf.to_container(saved_config(other), resolve=True)) == mine:
-            found.append(other)
-    return sorted(found, key=lambda other: -len(read_rows(other / "predictions.jsonl")))
+def same_but_for_the_samples(run_dir: Path, saved: dict) -> list[Path]:
+    """Runs beside ``run_dir``, finished or not, whose config is ``saved`` (a run's ``saved_data``) in everything
+    but which samples they hold (another count, other tasks): the run with most rows first."""
+    mine = but_for_the_samples(saved)
+    found = [other for other in sorted(Path(run_dir).parent.iterdir())
+             if other != Path(run_dir) and (other / "config.yaml").exists()
+             and but_for_the_samples(OmegaConf.to_container(saved_config(other), resolve=True)) == mine]
+    return sorted(found, key=lambda other: -len(all_rows(other)))
+
+
+@contextmanager
+def left_alone(run_dir: Path):
+    """Yields whether no job works in the run (its folder's lock and each shard's are free), holding those locks
+    meanwhile so that none starts while its rows are read."""
+    with ExitStack() as held:
+        folders = [Path(run_dir), *sorted(p for p in (Path(run_dir) / SHARDS).glob("*-of-*") if p.is_dir())]
+        yield all(held.enter_context(exclusive(folder)) for folder in folders)
 
 
 # A run grown from another's answers (pcs.runner.grow) names it here: {"run": folder name, "rows": count}.

@@ -22,9 +22,9 @@ from .identity import PER_CELL, RunIdentity
 from .models import load_model, stop_token_ids
 from .output_perturbation import perturbation_row
 from .provenance import now, provenance
-from .run_folder import (ANSWERS_FROM, all_rows, answers_taken, exclusive, in_shard, is_finished, note_samples, prepare, read_rows,
-                         same_but_for_the_sample_count, saved_config, shard_dir, working, write_json_atomic,
-                         write_rows_atomic)
+from .run_folder import (ANSWERS_FROM, all_rows, answers_taken, exclusive, in_shard, is_finished, left_alone,
+                         note_samples, prepare, read_rows, same_but_for_the_samples, sample_choice, saved_config,
+                         shard_dir, working, write_json_atomic, write_rows_atomic)
 from .tracking import log_run
 
 
@@ -156,7 +156,7 @@ def execute(cells: list[Cell], shard: tuple[int, int] = (0, 1)) -> list[dict | N
         for cell in cells:
             cell.context = RunContext(model, tokenizer, cell.methods, stops, cell.cfg, cell.benchmark)
             note_samples(cell.run_dir, len(samples))
-            grow(cell, samples, tokenizer, shard)
+            grow(cell, samples, tokenizer, shard, own={c.run_dir for c in cells})
             cell.out = files.enter_context(resumed(cell, len(samples)))
         speed = Throughput(pool)
         name = first.identity.folder if len(cells) == 1 else f"{len(cells)} runs sharing each prefill"
@@ -224,26 +224,34 @@ def merged(cell: Cell, samples: list, shard: tuple[int, int], summary) -> dict |
         return summary(cell)
 
 
-def grow(cell: Cell, samples: list, tokenizer, shard: tuple[int, int] = (0, 1)) -> None:
-    """A new run that is a finished run beside it but for ``benchmark.n_samples`` starts from that run's answers
-    to the samples both have, so that more samples cost only the new ones. A sample counts as the same only if
-    the other count's benchmark builds it equal in every field (prompt, question, references), since a generator
-    may draw a count's samples differently. Its rows then are what this run would write: the same config and
-    sample, answered one at a time or in a pool alike. A shard takes the answers to its own share, into its own
-    file, while none of its share is answered yet."""
+def grow(cell: Cell, samples: list, tokenizer, shard: tuple[int, int] = (0, 1), own: set[Path] = frozenset()) -> None:
+    """A new run that is a run beside it but for which samples it holds (``benchmark.n_samples``,
+    ``benchmark.tasks``) starts from that run's answers to the samples both have, so that more samples, or a
+    narrower set of tasks, cost only the samples not answered yet. The other run may be finished or stopped part
+    way, not worked in by a job (its rows would not be settled), nor one of this job's own runs (``own``, whose
+    locks this process holds). A sample counts as the same only if the other run's benchmark builds it equal in
+    every field (prompt, question, references), since a generator may draw another count's samples differently.
+    Its rows then are what this run would write: the same config and sample, answered one at a time or in a pool
+    alike. A shard takes the answers to its own share, into its own file, while none of its share is answered."""
     mine = {sample.id: sample for i, sample in enumerate(samples) if in_shard(i, *shard)}
     if any(row["id"] in mine for row in all_rows(cell.run_dir)):
         return
-    for other in same_but_for_the_sample_count(cell.run_dir, cell.identity.saved_data()):
-        count = OmegaConf.to_container(saved_config(other).benchmark, resolve=True)["n_samples"]
-        theirs = build_benchmark(OmegaConf.merge(cell.cfg, {"benchmark": {"n_samples": count}})).samples(tokenizer)
-        same = {sample.id for sample in theirs if mine.get(sample.id) == sample}
-        rows = [row for row in read_rows(other / "predictions.jsonl") if row["id"] in same]
+    for other in same_but_for_the_samples(cell.run_dir, cell.identity.saved_data()):
+        if other in own:
+            continue
+        with left_alone(other) as idle:
+            if not (idle or is_finished(other)):
+                continue
+            choice = sample_choice(OmegaConf.to_container(saved_config(other), resolve=True))
+            theirs = build_benchmark(OmegaConf.merge(cell.cfg, {"benchmark": choice})).samples(tokenizer)
+            same = {sample.id for sample in theirs if mine.get(sample.id) == sample}
+            rows = [row for row in all_rows(other) if row["id"] in same]
         if rows:
             write_rows_atomic(cell.out_dir / "predictions.jsonl", rows)
             write_json_atomic(cell.out_dir / ANSWERS_FROM, {"run": other.name, "rows": len(rows)})
+            knobs = " ".join(f"{k}={v}" for k, v in choice.items())
             print(f"[pcs] {cell.out_dir}: {len(rows)} of {len(mine)} samples answered by {other.name} (the same "
-                  f"run on n_samples={count}); the rest is new")
+                  f"run on {knobs}); the rest is new")
             return
 
 

@@ -156,6 +156,22 @@ def test_the_gemma_ablation_runs_every_reading_and_the_full_cache_on_one_prefill
     assert len(baselines) == 2 and all(run.pairing_key in baselines for run in runs.values() if run.reads_budget)
 
 
+@pytest.mark.parametrize("experiment", ["ruler_ablation_gemma", "ruler_ablation_gemma_question_after"])
+def test_the_gemma_ablations_take_the_answers_of_their_two_task_runs(experiment):
+    """Each run of the one-task Gemma ablation is its earlier two-task run (tasks niah_single_2 and niah_multikey_1,
+    250 samples per task and length, committed part way) in everything but which samples it holds, so it starts
+    from that run's answers to niah_single_2 (pcs.runner.grow)."""
+    from pcs.run_folder import but_for_the_samples
+    from test_sweeps import hydra_cfg
+    params = hydra_cfg(f"experiment={experiment}").hydra.sweeper.params
+    for reading in str(params.ablation).split(","):
+        now, before = (RunIdentity(compose([f"experiment={experiment}", f"ablation={reading}",
+                                            f"budget={params.budget}", *extra]))
+                       for extra in ([], ["benchmark.tasks=[niah_single_2,niah_multikey_1]", "benchmark.n_samples=250"]))
+        assert now.folder != before.folder and list(now.cfg.benchmark.tasks) == ["niah_single_2"]
+        assert but_for_the_samples(now.saved_data()) == but_for_the_samples(before.saved_data())
+
+
 @pytest.mark.parametrize("follow_up, base", [
     ("ruler_ablation_question_after_epsilon", "ruler_ablation_question_after"),
     ("ruler_ablation_question_after_epsilon_rerun", "ruler_ablation_question_after_rerun"),
@@ -388,7 +404,7 @@ def test_holms_correction_rejects_step_down_and_stops_at_the_first_it_keeps():
 def test_a_grown_ablation_is_its_ablations_runs_on_more_samples(grown, ablation):
     """Each run of a grown experiment is a run of the ablation in everything but benchmark.n_samples, and has at
     least as many samples of every task: it starts from that run's answers (pcs.runner.grow)."""
-    from pcs.run_folder import but_for_the_sample_count
+    from pcs.run_folder import but_for_the_samples
     from test_sweeps import hydra_cfg
     params = hydra_cfg(f"experiment={grown}").hydra.sweeper.params
     ablation_params = hydra_cfg(f"experiment={ablation}").hydra.sweeper.params
@@ -399,7 +415,7 @@ def test_a_grown_ablation_is_its_ablations_runs_on_more_samples(grown, ablation)
                 assert reading in str(ablation_params.ablation).split(",")
                 mine, theirs = (RunIdentity(compose([f"experiment={name}", f"method={method}", f"budget={budget}",
                                                      f"ablation={reading}"])) for name in (grown, ablation))
-                assert but_for_the_sample_count(mine.saved_data()) == but_for_the_sample_count(theirs.saved_data())
+                assert but_for_the_samples(mine.saved_data()) == but_for_the_samples(theirs.saved_data())
                 more, fewer = (OmegaConf.to_container(run.cfg.benchmark)["n_samples"] for run in (mine, theirs))
                 tasks = len(mine.cfg.benchmark.tasks)
                 more, fewer = ([n] * tasks if isinstance(n, int) else n for n in (more, fewer))

@@ -156,11 +156,12 @@ def test_the_report_draws_each_analysis(tmp_path):
     (folder / "needle_heads_b64.json").write_text(json.dumps(analysis))
     lines = needle_heads_section(tmp_path / "results", tmp_path / "report")
     assert "## Why the needle goes" in lines
-    # the 8 heads of layers 0 and 2 are all retrieval heads (top 10); query heads 2h, 2h + 1 share KV head h:
-    # right (odd samples) (0 + 0 + .5 + .5 + 1 + 1 + 0 + 0) / 8, lost (even) (1 + 1) / 8
-    # its key sentence: right 8 of 8 heads whole, lost 6 of 8 (KV head 1 of layer 2 keeps none)
-    assert "| snapkv_perturbation_b64 | 2 | 2 | 38 % / 25 % | 38 % / 25 % | 100 % / 75 % |" in lines
-    assert "| snapkv_attention_b64 | 4 | 0 | 88 % / - | 88 % / - | - / - |" in lines       # an older file: no key
+    # retrieval heads: the 6 of layers 0 and 2 with mass >= 0.1 (not (0, 3) nor (2, 2), at 0.0); query heads 2h,
+    # 2h + 1 share KV head h. In them, right (odd samples) (0 + 0 + .5 + 1 + 1 + 0) / 6, lost (even) (1 + 1) / 6;
+    # in every compressed head (its 4 KV heads): right (0 + .5 + 1 + 0) / 4, lost 1 / 4.
+    # Its key sentence: right 6 of 6 heads whole, lost 5 of 6 (KV head 1 of layer 2 keeps none)
+    assert "| snapkv_perturbation_b64 | 2 | 2 | 42 % / 33 % | 38 % / 25 % | 100 % / 83 % |" in lines
+    assert "| snapkv_attention_b64 | 4 | 0 | 92 % / - | 88 % / - | - / - |" in lines       # an older file: no key
     figure = tmp_path / "report" / "needle_heads" / "ruler__tiny__needle_heads_b64.png"
     assert figure.stat().st_size > 10_000
 

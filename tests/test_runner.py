@@ -231,6 +231,50 @@ def test_shards_of_a_grown_run_each_take_their_share_of_the_answers(tiny_model_d
     assert rows_of(results, grown_cfg)[:2] == rows_of(results, small)
 
 
+def test_a_run_on_fewer_tasks_takes_the_answers_of_a_stopped_run(tiny_model_dir, tmp_path):
+    """A two-task run stopped part way (killed: its last rows and metrics gone) gives a run of one of its tasks, on
+    more samples, the answers it holds to that task; the run ends as a fresh one-task run does."""
+    results = tmp_path / "results"
+    both = ruler_cfg(tiny_model_dir, tmp_path, results, "benchmark.tasks=[niah_single_1,niah_single_2]",
+                     "benchmark.n_samples=2")
+    run(both)
+    stopped = folder(results, both)
+    answered = ["niah_single_1_1024_0", "niah_single_2_1024_0", "niah_single_1_1024_1"]   # killed after these 3
+    rows = [r for r in (stopped / "predictions.jsonl").read_text().splitlines() if json.loads(r)["id"] in answered]
+    assert len(rows) == 3
+    (stopped / "predictions.jsonl").write_text("\n".join(rows) + "\n")
+    (stopped / "metrics.json").unlink()
+    one_cfg = ruler_cfg(tiny_model_dir, tmp_path, results, "benchmark.tasks=[niah_single_2]", "benchmark.n_samples=3")
+    one = run(one_cfg)
+    assert one["answers_from"] == {"run": stopped.name, "rows": 1} and one["n_resumed"] == 1
+    assert rows_of(results, one_cfg)[0] == next(json.loads(r) for r in rows if "single_2" in r)
+    fresh_cfg = ruler_cfg(tiny_model_dir, tmp_path, tmp_path / "fresh", "benchmark.tasks=[niah_single_2]",
+                          "benchmark.n_samples=3")
+    fresh = run(fresh_cfg)
+    strip = lambda row: {k: v for k, v in row.items() if k not in ("prefill_s", "decode_s")}
+    assert [strip(r) for r in rows_of(results, one_cfg)] == [strip(r) for r in rows_of(tmp_path / "fresh", fresh_cfg)]
+    assert one["score"] == fresh["score"]
+
+
+def test_answers_are_not_taken_from_a_run_a_job_is_working_in(tiny_model_dir, tmp_path):
+    """A run part way whose folder another job holds (its rows not settled) gives no answers."""
+    results = tmp_path / "results"
+    small = ruler_cfg(tiny_model_dir, tmp_path, results, "benchmark.n_samples=2")
+    run(small)
+    (folder(results, small) / "metrics.json").unlink()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'w'); fcntl.lockf(f, fcntl.LOCK_EX); "
+        "print('held', flush=True); time.sleep(60)"), str(folder(results, small) / ".lock")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        grown = run(ruler_cfg(tiny_model_dir, tmp_path, results, "benchmark.n_samples=3"))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert grown["n_resumed"] == 0 and "answers_from" not in grown
+
+
 def test_growing_a_run_takes_only_the_samples_the_other_count_builds_alike(tiny_model_dir, tmp_path, monkeypatch):
     """Where the smaller count's benchmark builds a sample with the same id but another prompt, that sample is
     answered anew."""

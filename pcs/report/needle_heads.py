@@ -8,7 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-TOP_HEADS = 10          # query heads counted as retrieval heads
+TOP_HEADS = 10          # query heads counted as retrieval heads, at most
+MIN_MASS = 0.1          # and only those that put at least this share of their attention on the needle's value:
+                        # a model with few compressed heads (Gemma 3 270M: 12) would otherwise count heads that
+                        # barely look at it
 ANALYSIS_GLOB = "needle_heads*.json"
 
 
@@ -28,14 +31,15 @@ def load(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
-def top_heads(analysis: dict, top: int = TOP_HEADS) -> list[tuple[int, int]]:
-    """(layer, query head) of the highest mean retrieval mass over the samples the full cache answers right."""
+def top_heads(analysis: dict, top: int = TOP_HEADS, floor: float = MIN_MASS) -> list[tuple[int, int]]:
+    """(layer, query head) of the highest mean retrieval mass over the samples the full cache answers right, at
+    most ``top`` of them and none below ``floor``."""
     right = [np.array(s["retrieval"], dtype=float) for s in analysis["samples"] if s["full_score"] == 100]
     if not right:
         return []
     mean = nanmean(right)
     order = np.argsort(np.where(np.isnan(mean), -np.inf, mean), axis=None)[::-1]
-    return [tuple(int(i) for i in np.unravel_index(k, mean.shape)) for k in order[:top] if not np.isnan(mean.flat[k])]
+    return [tuple(int(i) for i in np.unravel_index(k, mean.shape)) for k in order[:top] if mean.flat[k] >= floor]
 
 
 def needle_kept(kept: list, heads: list[tuple[int, int]], n_query_heads: int) -> float:
@@ -108,7 +112,8 @@ def markdown(analysis: dict, name: str) -> list[str]:
     right = sum(s["full_score"] == 100 for s in analysis["samples"])
     lines = [f"### {name}", "",
              f"{len(analysis['samples'])} samples, {right} answered right by the full cache (the rows count those). "
-             f"Retrieval heads (layer, query head), highest mean attention on the needle's value first: "
+             f"Retrieval heads (layer, query head; at most {TOP_HEADS}, each with at least {MIN_MASS:.0%} of its attention "
+             f"on the needle's value while the full cache answers), highest first: "
              + ", ".join(f"({l}, {h})" for l, h in got["retrieval_heads"]) + ".", "",
              "| run | right | lost | needle's value kept in retrieval heads: right / lost | in every compressed head: "
              "right / lost | its key sentence in retrieval heads: right / lost |",
