@@ -133,6 +133,46 @@ def test_a_step_that_does_not_fit_with_one_answer_stops(model, prompts):
     assert err.value.stage == "decoding"
 
 
+def test_a_sequence_that_cannot_join_even_a_released_pool_does_not_fit(model, prompts, monkeypatch):
+    """Every join runs out of memory: the pool is released once and tried again, then the sample is named."""
+    joins = []
+
+    def never(layer, slot, held, room):
+        joins.append(slot)
+        if len(joins) > 20:
+            raise AssertionError("joined again and again: the sequence never gave up")
+        raise out_of_memory()
+    monkeypatch.setattr(PoolLayer, "load", never)
+    with pytest.raises(DoesNotFit) as err:
+        list(decode(DecodePool(model, 8), arrivals(model, prompts)))
+    assert (err.value.name, err.value.stage) == ("sample-0", "joining the decode pool")
+    assert len(joins) == 1                              # on a released pool: there is nothing more to free
+
+
+def test_a_lone_answer_out_of_memory_on_grown_buffers_is_tried_again_on_fresh_ones(model, prompts, capsys):
+    """The device holds one answer only in the smallest buffers: the last answer of a pool grown for 8, decoding
+    alone once the others are done, runs out of memory, starts again from its prefill alone, and gives the answer
+    it gives with no fault."""
+    def two_arrivals():     # five answers of 12 tokens at most, then one of 16 that decodes alone at the end
+        short, long = prompts[0], prompts[2]
+        return [Arrival(model, short["ids"], [Cell(build(c)) for c in CELLS], short["max_new"], short["stops"],
+                        owners=[(0, j) for j in range(len(CELLS))], name="sample-0"),
+                Arrival(model, long["ids"], [Cell(build(CELLS[0]))], long["max_new"], set(), owners=[(2, 0)],
+                        name="sample-2")]
+
+    def run(pool):
+        return {seq.owner: seq.result.token_ids for seq in decode(pool, two_arrivals())}
+    want = run(DecodePool(model, 8))
+    assert len(want[(2, 0)]) == prompts[2]["max_new"] > prompts[0]["max_new"]
+    pool = DecodePool(model, 8)
+    hook = fail_forward(model, lambda kind, ids: kind == "decode" and ids.shape[0] == 1 and pool.layers[0].slots > 1)
+    try:
+        assert run(pool) == want
+    finally:
+        hook.remove()
+    assert "out of memory decoding 1 answers" in capsys.readouterr().out and pool.limit == 1
+
+
 # -- a run ------------------------------------------------------------------------------------------------------
 
 def needle(model_dir, results):

@@ -38,7 +38,8 @@ TRIGGERED = [("method=snapkv", "selection=perturbation"), ("method=adakv", "sele
 
 @functools.lru_cache(maxsize=None)
 def build(cell, budget=40, window=8):
-    knobs = [f"method.window={window}"] if cell[0].removeprefix("method=") in WINDOWED + ("laprox",) else []
+    knobs = [f"method.window={window}"] if cell[0].removeprefix("method=") in WINDOWED + ("laprox",) \
+        and not any(knob.startswith("method.window=") for knob in cell) else []
     return build_method(compose_cfg(*cell, f"budget={budget}", *knobs))
 
 
@@ -154,6 +155,67 @@ def test_pooled_decoding_time_compression_gives_batch_one_tokens(arch):
         s["max_new"], s["stops"] = 40, set()
     _, _, compared = compare(model, sample_list, TRIGGERED, triggers=[60] * len(TRIGGERED))
     assert compared == 3 * 4 * len(TRIGGERED)
+
+
+def test_pooled_decoding_time_compression_with_other_windows_gives_batch_one_tokens():
+    """Triggered cells reading windows of 16, 8 and 4 queries (and the full cache, whose trigger means nothing)
+    join and leave in shuffled orders: the query rings never narrow under a sequence that reads more."""
+    model = tiny_model("llama")
+    sample_list = samples(model)
+    for s in sample_list:
+        s["max_new"], s["stops"] = 30, set()
+    cells = [("method=snapkv", "method.window=16"), ("method=adakv", "selection=perturbation", "method.window=4"),
+             ("method=snapkv", "selection=perturbation"), ("method=full",)]
+    _, _, compared = compare(model, sample_list, cells, sizes=(2, 3), triggers=[50] * len(cells))
+    assert compared == 2 * 4 * len(cells)
+
+
+def prefilled(model, windows, trigger=60):
+    ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(3))
+    cells = [Cell(build(("method=snapkv", f"method.window={w}")), trigger) if w else Cell(build(("method=full",)))
+             for w in windows]
+    return Arrival(model, ids, cells, 8, set()).prefill()
+
+
+def test_a_ring_keeps_its_width_when_a_narrower_window_joins_past_its_rows():
+    """A 16-query sequence joins, an untriggered one beside it, the first leaves; a 4-query one then takes slot 1,
+    past the ring's one row: the ring grows its rows and keeps 16 columns, the newcomer's 4 queries at the end."""
+    model = tiny_model("llama")
+    wide, plain, narrow = prefilled(model, [16, 0, 4])
+    recent = [layer.recent_queries for layer in narrow.cache.layers]
+    pool = DecodePool(model, 8)
+    with torch.inference_mode():         # as decode() runs them
+        pool.join(wide)
+        pool.join(plain)
+        pool.leave(0)
+        pool.join(narrow)
+    assert narrow.n_queries == 4
+    for ring, queries in zip(pool.queries, recent):
+        assert ring.shape[0] >= 2 and ring.shape[2] == 16
+        torch.testing.assert_close(ring[1, :, -4:], queries[:, -4:])
+        assert not ring[1, :, :-4].any()
+
+
+def test_a_sequence_remembers_its_queries_when_the_last_layer_slides():
+    """Gemma 3's larger models end in sliding layers, which remember nothing: the count comes from the layers
+    that are compressed again."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+    from conftest import TINY
+    from pcs.models import prepare
+    torch.manual_seed(0)
+    model = prepare(AutoModelForCausalLM.from_config(Gemma3TextConfig(
+        **TINY, head_dim=8, query_pre_attn_scalar=16, sliding_window=16,
+        layer_types=["full_attention", "sliding_attention"] * 2)))
+    (seq,) = prefilled(model, [8])
+    pool = DecodePool(model, 4)
+    pool.join(seq)
+    assert seq.n_queries == 8
+    assert [ring is None for ring in pool.queries] == [False, True, False, True]    # sliding layers: no ring
+
+
+def test_a_method_that_keeps_everything_is_never_compressed_again():
+    assert Cell(build(("method=full",)), 60).trigger is None
+    assert Cell(build(("method=snapkv",)), 60).trigger == 60
 
 
 # On the embedded model: each method x selection once, the four profiles taken in turn (the tiny models run every

@@ -20,7 +20,7 @@ Out of device memory, ``decode`` keeps going with fewer answers in flight and lo
 prefill waits for the answers in flight to finish and is tried again alone; a sequence that cannot join waits
 and the pool admits no more than it holds; a step's answers in flight are dropped (their state may be half
 written), the pool takes half as many from then on, and their cells are prefilled again. A prompt that does not
-fit with nothing else in flight raises ``DoesNotFit``.
+fit with nothing else in flight and the pool's buffers at their smallest (``release``) raises ``DoesNotFit``.
 """
 from __future__ import annotations
 
@@ -82,6 +82,7 @@ class Sequence:
     stats: CompressionStats = field(default_factory=CompressionStats)
     n_queries: int = 0               # its newest queries each layer remembers (decoding-time compression)
     joined_at: float = 0.0
+    joined_fresh: bool = False       # it joined a released pool (smallest buffers): out of memory, it fits nowhere
     source: tuple | None = None      # (Arrival, cell index): how to prefill it again
     # Whether the tokens so far already decide what is measured of the answer, whatever follows (a score that
     # can only rise as the answer grows, at its maximum): the answer may end there. None: never.
@@ -147,7 +148,7 @@ class DecodePool:
             self.graphs = StepGraphs(self)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.released = True       # nothing to free until a sequence joins
+        self.released = True       # the smallest buffers: releasing again frees nothing (until a join grows them)
 
     @property
     def free(self) -> int:
@@ -176,7 +177,7 @@ class DecodePool:
         slot is left free and the sequence keeps its batch-1 cache."""
         slot = len(self.sequences)
         room = seq.room()
-        self.released = False
+        seq.joined_fresh, self.released = self.released, False      # the join may grow them, even if it fails
         try:
             for layer, held in zip(self.layers, seq.cache.layers):
                 layer.load(slot, held, room)
@@ -210,14 +211,19 @@ class DecodePool:
     def remember_window(self, slot: int, seq: Sequence) -> None:
         """The newest queries of each layer, which decoding-time recompression scores with: a ring per layer of
         (slots, H_q, window, d), the newest last, filled by attention at every step (``recorder``)."""
-        window = max([1] + [s.method.window for s in self.sequences + [seq] if s.trigger is not None])
+        needed = max([1] + [s.method.window for s in self.sequences + [seq] if s.trigger is not None])
         config = self.model.config
         n_q_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_q_heads
         if self.queries is None:
             self.queries = [None] * len(self.layers)
+        remembered = []
         for i, held in enumerate(seq.cache.layers):
+            if self.layers[i].is_sliding:          # never recompressed: nothing to remember
+                continue
             recent, ring = held.recent_queries, self.queries[i]
+            # never narrower than it is: sequences in flight may read windows wider than the newcomers need
+            window = needed if ring is None else max(needed, ring.shape[2])
             if ring is None or ring.shape[0] <= slot or ring.shape[2] < window:
                 grown = torch.zeros(max(slot + 1, self.layers[i].slots), n_q_heads, window, head_dim,
                                     dtype=self.model.dtype, device=self.device)
@@ -225,11 +231,12 @@ class DecodePool:
                     grown[:ring.shape[0], :, window - ring.shape[2]:] = ring
                 ring = self.queries[i] = grown
             ring[slot] = 0
-            seq.n_queries = min(recent.shape[1], ring.shape[2]) if recent is not None and recent.dim() == 3 else 0
-            if seq.n_queries:
-                ring[slot, :, -seq.n_queries:] = recent[:, -seq.n_queries:]
-            if not self.layers[i].is_sliding:      # a sliding layer is never recompressed: nothing to remember
-                self.layers[i].recorder = self.recorder(i)
+            n = min(recent.shape[1], ring.shape[2]) if recent is not None and recent.dim() == 3 else 0
+            if n:
+                ring[slot, :, -n:] = recent[:, -n:]
+            remembered.append(n)
+            self.layers[i].recorder = self.recorder(i)
+        seq.n_queries = min(remembered, default=0)
 
     def recorder(self, i: int):
         def record(query: torch.Tensor, scaling: float | None) -> None:   # (batch, H_q, 1, d), rotary applied
@@ -241,7 +248,7 @@ class DecodePool:
         """Rings for ``slots`` rows before a forward (slots joined without a trigger since they were sized); never
         inside the forward, where a CUDA graph may be capturing."""
         for i, ring in enumerate(self.queries or []):
-            if ring.shape[0] < slots:
+            if ring is not None and ring.shape[0] < slots:
                 self.queries[i] = torch.cat([ring, ring.new_zeros(slots - ring.shape[0], *ring.shape[1:])])
 
     def leave(self, slot: int) -> None:
@@ -253,7 +260,7 @@ class DecodePool:
             self.logits[slot] = self.logits[last]
             self.stop_mask[slot] = self.stop_mask[last]
             for ring in self.queries or []:
-                if ring.shape[0] > last:
+                if ring is not None and ring.shape[0] > last:
                     ring[slot] = ring[last]
             self.sequences[slot] = self.sequences[last]
         self.sequences.pop()
@@ -323,12 +330,14 @@ class DecodePool:
         """Decoding-time compression: a layer of a sequence whose longest head exceeds the sequence's trigger
         is compressed again by its method, its newest queries as the observation window (as batch 1 does
         right after that layer's forward: the layer is not read again before the next step)."""
-        n_layers = len(self.layers)
-        for slot, seq in enumerate(self.sequences):
-            if seq.trigger is None:
+        n_layers, live = len(self.layers), len(self.sequences)
+        triggered = [(slot, seq) for slot, seq in enumerate(self.sequences) if seq.trigger is not None]
+        for i, layer in enumerate(self.layers):
+            if layer.is_sliding or not triggered:
                 continue
-            for i, layer in enumerate(self.layers):
-                if layer.is_sliding or int(layer.lengths[slot].max()) <= seq.trigger:
+            longest = layer.lengths[:live].max(axis=1)        # one host pass per layer, not one per sequence
+            for slot, seq in triggered:
+                if longest[slot] <= seq.trigger:
                     continue
                 row = layer.row_layer(slot)
                 window = min(seq.n_queries, seq.method.window, self.queries[i].shape[2])
@@ -363,7 +372,7 @@ def decode(pool: DecodePool, arrivals: Iterable) -> Iterator[Sequence]:
                         say(f"out of memory admitting {seq.source[0].name}: at most {pool.limit} answers in flight "
                             f"from now on")
                         break
-                    if pool.released:
+                    if seq.joined_fresh:
                         raise DoesNotFit(seq.source[0], "joining the decode pool", pool.device, err) from err
                     pool.release()
                     continue
@@ -401,7 +410,7 @@ def decode(pool: DecodePool, arrivals: Iterable) -> Iterator[Sequence]:
         except StepOutOfMemory as oom:
             pool.release()
             yield from oom.finished
-            if len(oom.in_flight) == 1:
+            if len(oom.in_flight) == 1 and oom.in_flight[0].joined_fresh:
                 (seq,) = oom.in_flight
                 raise DoesNotFit(seq.source[0], "decoding", pool.device, oom.__cause__) from oom.__cause__
             pool.limit = max(1, len(oom.in_flight) // 2)

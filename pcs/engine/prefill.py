@@ -23,6 +23,10 @@ class Cell:
     trigger: int | None = None
     settled: Callable[[list[int]], bool] | None = None
 
+    def __post_init__(self) -> None:
+        if not self.method.evicts:      # its layers would be rebuilt and kept whole at every step past the trigger
+            self.trigger = None
+
 
 @dataclass
 class Arrival:

@@ -70,10 +70,14 @@ class Method:
     ``two_stage``: the method keeps some entries (``stage1``) before an output-aware second stage, as
     perturbation-constrained selection does; the perturbation analysis measures their attention mass
     (the paper's Assumption 1).
+
+    ``evicts``: False for a method that keeps every entry (``keep`` returns None): decoding-time compression
+    has nothing to do for it.
     """
     window: int = 0
     model_wide: bool = False
     two_stage: bool = False
+    evicts: bool = True
 
     def keep(self, layer: LayerState) -> Kept:
         raise NotImplementedError

@@ -8,5 +8,7 @@ from .base import LayerState, Method
 
 @dataclass
 class FullCache(Method):
+    evicts: bool = False
+
     def keep(self, layer: LayerState):
         return None
