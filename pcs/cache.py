@@ -289,10 +289,12 @@ class SlidingWindowLayer(CompressibleLayer):
         self.keys = self.values = None
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> None:
-        """(H_kv, q, d) entries of positions ``first ..`` into their slots (of which the last ``window`` survive)."""
-        slots = torch.arange(first, first + keys.shape[1], device=keys.device) % self.window
-        self.key_buffer[:, slots] = keys
-        self.value_buffer[:, slots] = values
+        """(H_kv, q, d) entries of positions ``first ..`` into their slots: only the last ``window`` survive, so only
+        they are written (indices repeated in one write leave the slot's winner undefined on CUDA)."""
+        skip = max(0, keys.shape[1] - self.window)
+        slots = torch.arange(first + skip, first + keys.shape[1], device=keys.device) % self.window
+        self.key_buffer[:, slots] = keys[:, skip:]
+        self.value_buffer[:, slots] = values[:, skip:]
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:

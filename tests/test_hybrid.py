@@ -240,3 +240,18 @@ def test_window_queries_are_the_queries_the_model_attends_with(model):
     assert sorted(seen) == sorted(rebuilt) == list(range(model.config.num_hidden_layers))
     for layer in seen:
         torch.testing.assert_close(rebuilt[layer], seen[layer], rtol=1e-5, atol=1e-5)
+
+
+def test_a_question_longer_than_the_window_leaves_its_newest_entries_in_the_ring():
+    """Fed at once after compression, a question of 2.5 windows: each ring slot ends with the one position of the
+    newest window that maps to it (positions repeat slots within the write; none may win by chance)."""
+    from pcs.cache import SlidingWindowLayer
+    layer = SlidingWindowLayer(window=8)
+    layer.key_buffer, layer.value_buffer = torch.zeros(2, 8, 4), torch.zeros(2, 8, 4)
+    first, q = 13, 20
+    keys = torch.arange(first, first + q, dtype=torch.float)[None, :, None].expand(2, q, 4).contiguous()
+    layer.write(keys, -keys, first)
+    newest = list(range(first + q - 8, first + q))
+    want = torch.tensor([next(p for p in newest if p % 8 == slot) for slot in range(8)], dtype=torch.float)
+    torch.testing.assert_close(layer.key_buffer[:, :, 0], want.expand(2, 8))
+    torch.testing.assert_close(layer.value_buffer[:, :, 0], -want.expand(2, 8))
