@@ -170,11 +170,24 @@ def test_pooled_decoding_time_compression_with_other_windows_gives_batch_one_tok
     assert compared == 2 * 4 * len(cells)
 
 
-def prefilled(model, windows, trigger=60):
+def prefilled(model, windows, trigger=60, max_new=8):
     ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(3))
     cells = [Cell(build(("method=snapkv", f"method.window={w}")), trigger) if w else Cell(build(("method=full",)))
              for w in windows]
-    return Arrival(model, ids, cells, 8, set()).prefill()
+    return Arrival(model, ids, cells, max_new, set()).prefill()
+
+
+@pytest.mark.parametrize("trigger", [None, 50])
+def test_a_trigger_bounds_the_room_a_long_answer_reserves(trigger):
+    """2,000 tokens to come: without a trigger each head may grow by as many, with one it never holds more than
+    the trigger + 1 entries, and the pool's buffers are sized for that."""
+    model = tiny_model("llama")
+    (seq,) = prefilled(model, [8], trigger=trigger, max_new=2000)
+    pool = DecodePool(model, 2)
+    with torch.inference_mode():
+        pool.join(seq)
+    capacity = pool.layers[0].capacity
+    assert capacity >= 40 + 2000 if trigger is None else 40 + 51 <= capacity < 1000
 
 
 def test_a_ring_keeps_its_width_when_a_narrower_window_joins_past_its_rows():

@@ -93,8 +93,10 @@ class Sequence:
         return self.settled is not None and n % SETTLE_EVERY == 0 and self.settled(self.result.token_ids)
 
     def room(self) -> int:
-        """Entries each head may still add: one per token fed."""
-        return max(self.max_new_tokens - len(self.result.token_ids), 1)
+        """Entries each head may still add: one per token fed, and with a trigger no more than it lets a head
+        hold (a head past it is compressed again after the step)."""
+        left = max(self.max_new_tokens - len(self.result.token_ids), 1)
+        return left if self.trigger is None else min(left, self.trigger + 1)
 
     def finished(self) -> Sequence:
         self.result.max_kv_entries = self.stats.max_kv_entries
