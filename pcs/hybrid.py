@@ -63,6 +63,11 @@ def refuse_unsupported(config) -> None:
         raise UnsupportedModel(f"{name}: bidirectional attention; pcs evicts from causal decoders' caches")
 
 
+def head_dim(config) -> int:
+    """Each attention head's width: the config's ``head_dim`` where it sets one (Gemma 3), else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def full_attention_layers(windows: list[int | None]) -> list[int]:
     """The layers an eviction method chooses in."""
     return [i for i, w in enumerate(windows) if w is None]

@@ -35,7 +35,7 @@ import torch
 from ..cache import CompressedCache
 from ..compression import CompressionStats, at_unit_scale, attention_modules, recompress
 from ..eviction.base import Method
-from ..hybrid import attention_windows, full_attention_layers
+from ..hybrid import attention_windows, full_attention_layers, head_dim
 from .pool import PoolCache
 
 # How often (in tokens) a sequence with a ``settled`` test is asked it: the test decodes its tokens to text on the
@@ -214,9 +214,7 @@ class DecodePool:
         """The newest queries of each layer, which decoding-time recompression scores with: a ring per layer of
         (slots, H_q, window, d), the newest last, filled by attention at every step (``recorder``)."""
         needed = max([1] + [s.method.window for s in self.sequences + [seq] if s.trigger is not None])
-        config = self.model.config
-        n_q_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_q_heads
+        n_q_heads, width = self.model.config.num_attention_heads, head_dim(self.model.config)
         if self.queries is None:
             self.queries = [None] * len(self.layers)
         remembered = []
@@ -227,7 +225,7 @@ class DecodePool:
             # never narrower than it is: sequences in flight may read windows wider than the newcomers need
             window = needed if ring is None else max(needed, ring.shape[2])
             if ring is None or ring.shape[0] <= slot or ring.shape[2] < window:
-                grown = torch.zeros(max(slot + 1, self.layers[i].slots), n_q_heads, window, head_dim,
+                grown = torch.zeros(max(slot + 1, self.layers[i].slots), n_q_heads, window, width,
                                     dtype=self.model.dtype, device=self.device)
                 if ring is not None:
                     grown[:ring.shape[0], :, window - ring.shape[2]:] = ring
@@ -460,7 +458,7 @@ def open_pool(model, size: int | None = None, cuda_graphs: bool = True) -> Decod
         size = CUDA_POOL if device.type == "cuda" else CPU_POOL
         why = f"engine.pool=null on {device.type.upper()}: up to {size}, as the {free_memory(device) / 2**30:.1f} GiB free allow"
     else:
-        why = f"engine.pool={size}, as the {free_memory(device) / 2**30:.1f} GiB free allow"
+        why = f"engine.pool={size}; {free_memory(device) / 2**30:.1f} GiB free"
     print(f"[pcs] decode pool: {size} sequence(s) in flight ({why}); "
           f"{'CUDA graphs' if graphs else 'eager'} decoding steps", flush=True)
     return DecodePool(model, size, graphs)

@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import torch
 
-
-def bucket(live: int, size: int) -> int:
-    """The smallest power of two holding ``live`` sequences, or the pool's size."""
-    return min(1 << (live - 1).bit_length(), size)
+from .pool import bucket
 
 
 class StepGraphs:

@@ -21,9 +21,15 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache import CompressibleLayer, HeldKeys
-from ..hybrid import attention_windows
+from ..hybrid import attention_windows, head_dim
 
 GROWTH = 256   # entries added beyond what a growing layer needs (it grows by at least half)
+
+
+def bucket(live: int, size: int) -> int:
+    """Slots for ``live`` sequences: the smallest power of two holding them, or the pool's size (the buffers grow
+    so, and the CUDA graphs are captured per such bucket)."""
+    return min(1 << (live - 1).bit_length(), size)
 
 
 class PoolLayer(CacheLayerMixin):
@@ -74,7 +80,7 @@ class PoolLayer(CacheLayerMixin):
         """The (slots, capacity, rows) ``reserve`` would allocate for these needs."""
         rows = max(rows, self.rows)
         if slots > self.slots:
-            slots = max(slots, min(1 << (slots - 1).bit_length(), self.max_slots))
+            slots = max(slots, bucket(slots, self.max_slots))
         capacity = self.capacity if needed <= self.capacity else max(needed + GROWTH, self.capacity * 3 // 2)
         return max(slots, self.slots), capacity, rows
 
@@ -237,8 +243,7 @@ class PoolCache(Cache):
     """The pool's layers, one per decoder layer, called by transformers' models as any cache."""
 
     def __init__(self, config, dtype, device, max_slots: int = 1 << 30):
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        super().__init__(layers=[pool_layer(w, config.num_key_value_heads, head_dim, dtype, device, max_slots)
+        super().__init__(layers=[pool_layer(w, config.num_key_value_heads, head_dim(config), dtype, device, max_slots)
                                  for w in attention_windows(config)])
 
     def prepare_step(self, batch: int, full: bool = False) -> None:

@@ -11,7 +11,7 @@ import torch
 from ..cache import CompressedCache
 from ..compression import CompressionStats, compress_each_after_prefill, recompress_when_full
 from ..eviction.base import Method
-from ..hybrid import attention_windows, held_entries
+from ..hybrid import attention_windows, head_dim, held_entries
 from .decode import Generation, Sequence, clock
 
 
@@ -60,8 +60,7 @@ class Arrival:
 def full_kv_bytes(config, n_tokens: int, dtype: torch.dtype) -> int:
     """Bytes of the model's own K and V cache after ``n_tokens``: every entry of a full-attention layer, the
     window's newest W - 1 of a sliding-window layer."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_entry = 2 * config.num_key_value_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    per_entry = 2 * config.num_key_value_heads * head_dim(config) * torch.empty(0, dtype=dtype).element_size()
     return per_entry * sum(held_entries(w, n_tokens) for w in attention_windows(config))
 
 
