@@ -131,3 +131,30 @@ def test_tables_mark_significant_cells_and_savings_get_intervals(tmp_path):
     assert saved.loc[64, "equivalent_budget"] == 96.0
     assert saved.loc[64, "equivalent_budget_ci_low"] == 96.0 and saved.loc[64, "equivalent_budget_ci_high"] == 96.0
     assert saved.loc[64, "savings_pct_ci_low"] == pytest.approx(33.3) and saved.loc[64, "resamples_in_range"] == 300
+
+
+def test_a_saving_interval_reaching_past_the_measured_budgets_says_so(tmp_path):
+    """Attention 40 at b64 and 60 at b128; perturbation at b64 scores 30 and 50 on alternate samples (mean 40, the
+    curve's lowest point): about half the resamples fall below the measured range. They count, so the lower
+    bound lies below it (written "< "), not within it as an interval over the other half would say; the upper
+    bound is inside. Perturbation 30 at b128 lies below in every resample: both bounds are cut there."""
+    root = tmp_path / "results"
+    lb = ["benchmark=longbench", "model=llama31", "method=snapkv"]
+    tasks = ["qasper"] * 10 + ["trec"] * 10
+    for selection, budget, scores in (("attention", 64, [40.0] * 20), ("attention", 128, [60.0] * 20),
+                                      ("perturbation", 64, [30.0, 50.0] * 10), ("perturbation", 128, [30.0] * 20)):
+        mean = sum(scores) / len(scores)
+        folder = write_run(root, *lb, f"selection={selection}", f"budget={budget}",
+                           metrics={"score": mean, "domains": {"single_doc_qa": mean, "few_shot": mean}})
+        write_predictions(folder, scores, tasks)
+    assert main(["--results", str(root), "--out", str(tmp_path / "report"), "--resamples", "400"]) == 0
+    saved = pd.read_csv(tmp_path / "report" / "savings.csv", keep_default_na=False).set_index("budget")
+    edge = saved.loc[64]
+    assert float(edge.equivalent_budget) == 64.0 and edge.ci_low_beyond == "below" and edge.ci_high_beyond == ""
+    assert float(edge.equivalent_budget_ci_low) == 64.0 and 64.0 < float(edge.equivalent_budget_ci_high) < 128.0
+    assert 120 < int(edge.resamples_in_range) < 280
+    below = saved.loc[128]
+    assert (below.ci_low_beyond, below.ci_high_beyond, int(below.resamples_in_range)) == ("below", "below", 0)
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert f"| [< 0.0, {float(edge.savings_pct_ci_high):.1f}] % |" in report
+    assert "| [< -100.0, < -100.0] % |" in report

@@ -57,7 +57,7 @@ def savings_plot(df: pd.DataFrame, saved: pd.DataFrame, path: Path) -> Path:
     for ax in list(axes.flat)[len(tables):]:
         ax.set_visible(False)
     fig.suptitle("Budget attention-only selection needs to match perturbation selection\n"
-                 "(arrows: savings; bars: 95 % bootstrap interval of the equivalent budget)")
+                 "(arrows: savings; bars: 95 % bootstrap interval of the equivalent budget, cut at the measured budgets)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -174,14 +174,16 @@ def savings_section(df, out: Path, with_intervals: bool, resamples: int, seed: i
     lines = ["## Budget savings", "",
              "Budget attention-only selection would need to match perturbation selection (linear interpolation "
              "between measured budgets; saving = 1 - b / b_equivalent). The intervals resample the samples "
-             "behind every point of the curve together (95 %, paired bootstrap).", "",
+             "behind every point of the curve together (95 %, paired bootstrap); a bound written `< x` or `> x` "
+             "falls beyond the measured budgets, so only its side of x is known.", "",
              "| table | model | method | budget | score | equivalent budget | saving | saving 95 % interval |",
              "|---|---|---|---:|---:|---:|---:|---|"]
     for _, r in saved.iterrows():
         eq = r["note"] if r["equivalent_budget"] is None or r["note"] else f"{r['equivalent_budget']:.1f}"
         pct = "-" if r["note"] else f"{r['savings_pct']:.1f} %"
         low, high = r.get("savings_pct_ci_low"), r.get("savings_pct_ci_high")
-        interval = "-" if low is None or pd.isna(low) else f"[{low:.1f}, {high:.1f}] %"
+        past = [{"below": "< ", "above": "> "}.get(r.get(f"ci_{end}_beyond"), "") for end in ("low", "high")]
+        interval = "-" if low is None or pd.isna(low) else f"[{past[0]}{low:.1f}, {past[1]}{high:.1f}] %"
         lines.append(f"| {r['table']} | {r['model']} | {r['method']} | {r['budget']} | {r['score']:.2f} | {eq} | "
                      f"{pct} | {interval} |")
     return lines + ["", "![savings](savings.png)", ""]

@@ -21,7 +21,7 @@ from ..benchmarks.ruler_data import GROUPS, domain_name
 from ..identity import RunIdentity
 from ..paths import read_jsonl
 from ..run_folder import saved_config
-from .savings import equivalent_budget
+from .savings import ABOVE, BELOW, equivalent_budget
 
 RESAMPLES, SEED, LEVEL = 10_000, 0, 0.95
 CHUNK = 1_000   # replicates drawn at a time, to bound memory on large runs
@@ -203,16 +203,19 @@ def pair_rows(base_dir: Path, cand_dir: Path, label: str, resamples: int, seed: 
             for domain, strata in domains_of(table, cfg.benchmark.name).items()]
 
 
+BEYOND = 1e12      # how far past the measured range a replicate out of it is put (any budget is far less)
 SAVINGS_CI_COLUMNS = ["equivalent_budget_ci_low", "equivalent_budget_ci_high", "savings_pct_ci_low",
-                      "savings_pct_ci_high", "resamples_in_range", "ci_note"]
+                      "savings_pct_ci_high", "ci_low_beyond", "ci_high_beyond", "resamples_in_range", "ci_note"]
 
 
 def savings_intervals(saved: pd.DataFrame, df: pd.DataFrame, baseline: str = "attention",
                       candidate: str = "perturbation", resamples: int = RESAMPLES, seed: int = SEED) -> pd.DataFrame:
     """``saved`` (from ``savings``) with intervals on ``equivalent_budget`` and ``savings_pct``: each
     replicate resamples the samples behind every point of the curve together (the same ids in all
-    runs) and recomputes the equivalent budget. Replicates whose score falls outside the measured
-    range have no equivalent budget; the interval is over the others (``resamples_in_range`` says how many)."""
+    runs) and recomputes the equivalent budget. A replicate whose score falls outside the measured range has
+    an equivalent budget beyond that range's end, unknown by how much: it counts, and a bound of the interval
+    that falls among such replicates is cut at that end (``ci_low_beyond``, ``ci_high_beyond``: "below" or
+    "above" where the true bound lies past the end it holds, else ""). ``resamples_in_range`` counts the others."""
     out = []
     avg = df[(df["domain"] == "average") & df["run_dir"].notna()]
     for _, row in saved.iterrows():
@@ -238,12 +241,18 @@ def saving_interval(base: pd.DataFrame, cand: pd.DataFrame, budget: int, resampl
         return {**empty, "ci_note": f"a stratum holds fewer than {MIN_STRATUM} samples: no interval"}
     draws = replicates(values, strata, resamples, np.random.default_rng(seed))
     budgets = base["budget"].tolist()
-    equivalent = np.array([equivalent_budget(budgets, list(d[:k]), d[k])[0] for d in draws], dtype=float)
-    inside = equivalent[np.isfinite(equivalent)]
-    if len(inside) == 0:
-        return {**empty, "resamples_in_range": 0, "ci_note": "no resample falls inside the measured range"}
-    eq_low, eq_high = percentile_interval(inside)
+    ends = (min(budgets), max(budgets))
+    # past the range's end by an unknown amount: stand-ins far beyond it, so that a percentile that reaches one
+    # lands outside the range (every equivalent budget inside it lies between its ends)
+    beyond = {BELOW: ends[0] - BEYOND, ABOVE: ends[1] + BEYOND}
+    equivalent = np.array([eq if eq is not None else beyond[why]
+                           for eq, why in (equivalent_budget(budgets, list(d[:k]), d[k]) for d in draws)])
+    inside = int(((equivalent >= ends[0]) & (equivalent <= ends[1])).sum())
+    bounds = percentile_interval(equivalent)
+    beyond_ends = ["below" if bound < ends[0] else "above" if bound > ends[1] else "" for bound in bounds]
+    eq_low, eq_high = (min(max(bound, ends[0]), ends[1]) for bound in bounds)
     return {"equivalent_budget_ci_low": round(eq_low, 1), "equivalent_budget_ci_high": round(eq_high, 1),
             "savings_pct_ci_low": round(100 * (1 - budget / eq_low), 1),
             "savings_pct_ci_high": round(100 * (1 - budget / eq_high), 1),
-            "resamples_in_range": len(inside), "ci_note": ""}
+            "ci_low_beyond": beyond_ends[0], "ci_high_beyond": beyond_ends[1],
+            "resamples_in_range": inside, "ci_note": ""}
