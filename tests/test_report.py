@@ -217,14 +217,17 @@ def test_ruler_tables_by_group_and_length_with_stars_and_a_length_plot(tmp_path)
     assert ruler_figure(one_length, deltas, tmp_path / "bars.png", "one length").read_bytes()[:8] == PNG
 
 
-@pytest.mark.parametrize("setting", ["lengths=2048_n_samples=200+300_query_aware=False_tasks=niah_single_1+niah_single_2",
-                                     "lengths=2048", "tasks=" + "x" * 60 + "_seed=43"])
-def test_ablation_panel_titles_break_settings_only_after_underscores(setting):
-    """The ablation figure's panels sit side by side: a setting is broken into lines of about 40 characters, only
-    after an underscore, and reads back whole."""
-    from pcs.plots.ablation import setting_lines
-    lines = setting_lines(setting, width=40).split("\n")
-    assert "".join(lines) == setting
-    assert all(line.endswith("_") for line in lines[:-1])
-    parts = setting.split("_")
-    assert all(len(line) <= 41 or line.rstrip("_") in parts for line in lines)   # a longer line is one whole part
+def test_figures_name_a_setting_by_its_knobs_never_breaking_one(tmp_path):
+    """A setting's knobs come from the run's identity (its joined string cannot be split back: keys and values
+    hold underscores), the question's place in words; lines break only between knobs."""
+    from pcs.plots.labels import setting_knobs, wrapped
+    folder = write_run(tmp_path, "benchmark=ruler", "benchmark.lengths=[2048]", "benchmark.query_aware=false",
+                       "benchmark.tasks=[niah_single_1,niah_single_2]", "benchmark.n_samples=[200,300]",
+                       metrics={"score": 1.0})
+    knobs = setting_knobs(folder)
+    assert "question after compression" in knobs and "n_samples=200+300" in knobs
+    assert "tasks=niah_single_1+niah_single_2" in knobs
+    lines = wrapped(knobs, 20).split("\n")
+    assert len(lines) > 1 and " ".join(lines) == ", ".join(knobs)
+    assert all(piece in knobs for line in lines for piece in line.rstrip(",").split(", "))   # whole knobs only
+

@@ -10,24 +10,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from .labels import setting_knobs, wrapped  # noqa: E402
+
 MARKERS = {"w/o": ("o", "C0", "w/ - w/o (attention, same conventions)"),
            "paper knobs": ("s", "C1", "reading - paper knobs (same conventions)"),
            "paper conventions": ("^", "C2", "reading - same selection, paper conventions")}
 OFFSETS = {"w/o": -0.2, "paper knobs": 0.0, "paper conventions": 0.2}
-
-
-def setting_lines(setting: str, width: int = 40) -> str:
-    """A run setting (``lengths=2048_n_samples=200+300_query_aware=False_tasks=...``) in lines of at most about
-    ``width`` characters, broken after underscores (never inside a word): a title as wide as one panel."""
-    lines = [""]
-    for part in setting.split("_"):
-        piece = part if not lines[-1] else "_" + part
-        if lines[-1] and len(lines[-1]) + len(piece) > width:
-            lines[-1] += "_"
-            lines.append(part)
-        else:
-            lines[-1] += piece
-    return "\n".join(lines)
 
 
 def reading_name(conventions: str, selection: str, knobs: str) -> str:
@@ -47,9 +35,10 @@ def ablation_plot(effects: pd.DataFrame, path: Path, domain: str = "average") ->
     heights = [max(2.5, 0.6 * b[["conventions", "selection"]].drop_duplicates().shape[0]) for _, b in blocks]
     # One x scale per row: a reader compares a reading's effect across methods and budgets at a glance.
     fig, axes = plt.subplots(len(blocks), panels, figsize=(2.5 + 3.2 * panels, sum(heights) + 1.4), squeeze=False,
-                             sharex="row", gridspec_kw={"height_ratios": heights})
+                             sharex="row", gridspec_kw={"height_ratios": heights}, layout="constrained")
     for row, ((model, benchmark, setting), block) in enumerate(blocks):
         names = sorted({(c, s, k) for c, s, k in zip(block["conventions"], block["selection"], block["knobs"])})
+        setting_title = wrapped(setting_knobs(block["run_dir"].iloc[0]), 40)
         y = {name[:2]: i for i, name in enumerate(names)}
         for col, ((method, budget), cells) in enumerate(block.groupby(["method", "budget"], sort=True)):
             ax = axes[row][col]
@@ -65,12 +54,11 @@ def ablation_plot(effects: pd.DataFrame, path: Path, domain: str = "average") ->
             ax.set_ylim(-0.6, len(names) - 0.4)
             ax.invert_yaxis()
             ax.grid(axis="x", alpha=0.3)
-            ax.set_title(f"{model}, {method}, budget {budget}\n" + setting_lines(setting), fontsize=8)
+            ax.set_title(f"{model}, {method}, budget {budget}\n" + setting_title, fontsize=8)
             ax.set_xlabel("difference in score (points)", fontsize=7)
         for ax in axes[row][len(block.groupby(["method", "budget"])):]:
             ax.set_visible(False)
-    fig.legend(loc="lower center", ncol=1, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.9 / (sum(heights) + 1.4), 1, 1))
+    fig.legend(loc="outside upper center", ncol=len(MARKERS), fontsize=7, frameon=False)   # seen first: tall
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
     plt.close(fig)

@@ -11,7 +11,20 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from .labels import method_knobs, setting_knobs, wrapped  # noqa: E402
+
 STYLE = {"attention": "-", "perturbation": "--"}
+
+
+def table_title(table: str, rows: pd.DataFrame) -> str:
+    """The table's benchmark and method, then its knobs as a run of it lists them (the table's name where no run
+    folder is behind it: the paper's numbers)."""
+    runs = rows["run_dir"].dropna() if "run_dir" in rows else []
+    if not len(runs):
+        return "\n".join(textwrap.wrap(table.replace("_", " "), 52))
+    first = rows.loc[runs.index[0]]
+    knobs = method_knobs(runs.iloc[0]) + setting_knobs(runs.iloc[0])
+    return wrapped([f"{first['benchmark']}, {first['method']}"] + knobs, 52)
 
 
 def savings_plot(df: pd.DataFrame, saved: pd.DataFrame, path: Path) -> Path:
@@ -52,8 +65,8 @@ def savings_plot(df: pd.DataFrame, saved: pd.DataFrame, path: Path) -> Path:
         ax.minorticks_off()
         ax.set_xlabel("budget (share of each prompt)" if share else "budget (entries per KV head)")
         ax.set_ylabel("average score")
-        ax.set_title("\n".join(textwrap.wrap(table, 52)), fontsize=8)
-        ax.legend(fontsize=7)
+        ax.set_title(table_title(table, mine), fontsize=8)
+        ax.legend(fontsize=7, loc="best")
     for ax in list(axes.flat)[len(tables):]:
         ax.set_visible(False)
     fig.suptitle("Budget attention-only selection needs to match perturbation selection\n"

@@ -21,6 +21,7 @@ from pathlib import Path
 from ..identity import RunIdentity
 from ..run_folder import saved_config
 from ..plots.ablation import ablation_plot
+from ..plots.labels import setting_knobs
 from ..plots.needle import needle_comparison, needle_heatmap
 from ..plots.needle_heads import needle_heads_figure
 from ..plots.ruler import ruler_figure
@@ -70,7 +71,8 @@ def ruler_section(results: Path, out: Path, tested, resamples: int, seed: int) -
     lines = []
     for (model, setting), block in scores.groupby(["model", "setting"], sort=True):
         name = "_".join(filter(None, [model, setting]))
-        figure = ruler_figure(block, deltas, out / "ruler" / f"{name}.png", f"RULER, {model} {setting}".strip())
+        figure = ruler_figure(block, deltas, out / "ruler" / f"{name}.png", f"RULER, {model}",
+                              setting_knobs(block["run_dir"].iloc[0]))
         if figure is not None:
             lines += [f"![RULER {name}](ruler/{figure.name})", ""]
     return ["## RULER", "", "Mean over tasks with its 95 % bootstrap interval (samples resampled within tasks); above "
