@@ -34,7 +34,7 @@ class StepGraphs:
     def run(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Next-token logits of the ``len(ids)`` sequences in flight, by replaying their bucket's graph."""
         live, size = ids.shape[0], bucket(ids.shape[0], self.pool.size)
-        self.pool.cache.prepare_step(size, full=True)      # may grow the slots: before the layout is read
+        self.pool.cache.prepare_step(size, whole_capacity=True)      # may grow the slots: before the layout is read
         key = self.layout(size)
         if key not in self.graphs:
             self.graphs = {k: g for k, g in self.graphs.items() if k[1:] == key[1:]}   # drop stale layouts

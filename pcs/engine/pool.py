@@ -246,14 +246,14 @@ class PoolCache(Cache):
         super().__init__(layers=[pool_layer(w, config.num_key_value_heads, head_dim(config), dtype, device, max_slots)
                                  for w in attention_windows(config)])
 
-    def prepare_step(self, batch: int, full: bool = False) -> None:
+    def prepare_step(self, batch: int, whole_capacity: bool = False) -> None:
         """Before a forward of slots ``[0, batch)``: attention reads each layer's longest head plus the step's
-        entry (a sliding layer's ring at most), or (``full``) the layer's whole capacity, a shape that stays the
-        same from step to step."""
+        entry (a sliding layer's ring at most), or the layer's whole capacity, a shape that stays the same from
+        step to step (what a captured graph needs)."""
         for layer in self.layers:
             needed = int(layer.lengths[:batch].max()) + 1
             layer.reserve(batch, needed, layer.rows)
-            layer.batch, layer.width = batch, layer.capacity if full else min(needed, layer.capacity)
+            layer.batch, layer.width = batch, layer.capacity if whole_capacity else min(needed, layer.capacity)
 
     def stepped(self, batch: int) -> None:
         """After a forward: the host's lengths follow the device's (one entry more per head in flight)."""
