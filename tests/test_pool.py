@@ -191,22 +191,28 @@ def test_a_trigger_bounds_the_room_a_long_answer_reserves(trigger):
 
 
 def test_a_ring_keeps_its_width_when_a_narrower_window_joins_past_its_rows():
-    """A 16-query sequence joins, an untriggered one beside it, the first leaves; a 4-query one then takes slot 1,
-    past the ring's one row: the ring grows its rows and keeps 16 columns, the newcomer's 4 queries at the end."""
+    """A 16-query sequence and a 4-query one join, the first leaves, an untriggered one joins; another 4-query one
+    then takes slot 2, past the rings' two rows: they grow their rows and keep 16 columns (the one in flight may
+    have remembered more than 4), the newcomer's 4 queries at the end. Once no sequence in flight has a trigger,
+    the rings go."""
     model = tiny_model("llama")
-    wide, plain, narrow = prefilled(model, [16, 0, 4])
-    recent = [layer.recent_queries for layer in narrow.cache.layers]
+    wide, narrow, plain, other = prefilled(model, [16, 4, 0, 4])
+    recent = [layer.recent_queries for layer in other.cache.layers]
     pool = DecodePool(model, 8)
     with torch.inference_mode():         # as decode() runs them
         pool.join(wide)
-        pool.join(plain)
-        pool.leave(0)
         pool.join(narrow)
-    assert narrow.n_queries == 4
-    for ring, queries in zip(pool.queries, recent):
-        assert ring.shape[0] >= 2 and ring.shape[2] == 16
-        torch.testing.assert_close(ring[1, :, -4:], queries[:, -4:])
-        assert not ring[1, :, :-4].any()
+        pool.leave(0)
+        pool.join(plain)
+        pool.join(other)
+        assert other.n_queries == 4
+        for ring, queries in zip(pool.queries, recent):
+            assert ring.shape[0] >= 3 and ring.shape[2] == 16
+            torch.testing.assert_close(ring[2, :, -4:], queries[:, -4:])
+            assert not ring[2, :, :-4].any()
+        pool.leave(2)
+        pool.leave(0)
+    assert pool.queries is None and all(layer.recorder is None for layer in pool.layers)
 
 
 def test_a_sequence_remembers_its_queries_when_the_last_layer_slides():

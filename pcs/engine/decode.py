@@ -264,6 +264,15 @@ class DecodePool:
                     ring[slot] = ring[last]
             self.sequences[slot] = self.sequences[last]
         self.sequences.pop()
+        if self.queries is not None and all(s.trigger is None for s in self.sequences):
+            self.forget_windows()
+
+    def forget_windows(self) -> None:
+        """No sequence in flight is compressed again: the rings and their recorders go (every step fed them for
+        every row); the next sequence with a trigger builds them anew."""
+        for layer in self.layers:
+            layer.recorder = None
+        self.queries = None
 
     # -- the step ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
