@@ -36,7 +36,7 @@ from ..cache import CompressedCache
 from ..compression import CompressionStats, at_unit_scale, attention_modules, recompress
 from ..eviction.base import Method
 from ..hybrid import attention_windows, full_attention_layers, head_dim
-from .pool import PoolCache
+from .pool import PoolCache, upload
 
 # How often (in tokens) a sequence with a ``settled`` test is asked it: the test decodes its tokens to text on the
 # host, which on a fast device costs more than a step when asked of every sequence at every step. An answer
@@ -309,11 +309,7 @@ class DecodePool:
         return [seq.finished() for seq in finished]
 
     def upload(self, values: list) -> torch.Tensor:
-        """Host values on the device without waiting for it (pinned memory, an asynchronous copy on CUDA)."""
-        tensor = torch.tensor(values)
-        if self.device.type != "cuda":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        return upload(values, self.device)
 
     def forward(self) -> None:
         """Every sequence in flight fed its last token at its own position; their next logits."""

@@ -26,6 +26,15 @@ from ..hybrid import attention_windows, head_dim
 GROWTH = 256   # entries added beyond what a growing layer needs (it grows by at least half)
 
 
+def upload(values, device: torch.device) -> torch.Tensor:
+    """Host values (a list or an array) on ``device`` without waiting for it: from pinned memory, asynchronously
+    on CUDA (a copy from pageable memory first waits for the device's queued work)."""
+    tensor = torch.as_tensor(values)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def bucket(live: int, size: int) -> int:
     """Slots for ``live`` sequences: the smallest power of two holding them, or the pool's size (the buffers grow
     so, and the CUDA graphs are captured per such bucket)."""
@@ -73,8 +82,7 @@ class PoolLayer(CacheLayerMixin):
         self.slots, self.capacity, self.rows = slots, capacity, rows
         self.next_slot = torch.zeros(slots * self.n_kv_heads, dtype=torch.long, device=self.device)
         self.next_allowed = torch.zeros(slots * self.n_kv_heads * rows, dtype=torch.long, device=self.device)
-        for slot in range(slots):
-            self.index(slot)
+        self.index(range(slots))
 
     def grown(self, slots: int, needed: int, rows: int) -> tuple[int, int, int]:
         """The (slots, capacity, rows) ``reserve`` would allocate for these needs."""
@@ -88,13 +96,18 @@ class PoolLayer(CacheLayerMixin):
         """Bytes of the buffers of that shape: keys, values and the mask."""
         return slots * self.n_kv_heads * capacity * (2 * self.head_dim * self.key_buffer.element_size() + rows)
 
-    def index(self, slot: int) -> None:
-        """Slot ``slot``'s flat write indices into the buffers and the mask, from the host's lengths."""
+    def index(self, slots: int | range) -> None:
+        """The flat write indices into the buffers and the mask of a slot (or a range of them), from the host's
+        lengths: computed on the host, one asynchronous copy each."""
+        slots = range(slots, slots + 1) if isinstance(slots, int) else slots
+        if not len(slots):
+            return
         h, r, c = self.n_kv_heads, self.rows, self.capacity
-        lengths = torch.from_numpy(self.lengths[slot]).to(self.device)
-        self.next_slot[slot * h:(slot + 1) * h] = torch.arange(slot * h, (slot + 1) * h, device=self.device) * c + lengths
-        rows = torch.arange(slot * h * r, (slot + 1) * h * r, device=self.device)
-        self.next_allowed[slot * h * r:(slot + 1) * h * r] = rows * c + lengths.repeat_interleave(r)
+        first, last = slots[0], slots[-1] + 1
+        lengths = self.lengths[first:last].reshape(-1)                  # per (slot, KV head)
+        self.next_slot[first * h:last * h] = upload(np.arange(first * h, last * h) * c + lengths, self.device)
+        rows = np.arange(first * h * r, last * h * r)
+        self.next_allowed[first * h * r:last * h * r] = upload(rows * c + np.repeat(lengths, r), self.device)
 
     # -- sequences joining, leaving, recompressed --------------------------------------------------------------
     def load(self, slot: int, layer: CompressibleLayer, room: int) -> None:
@@ -187,13 +200,16 @@ class SlidingPoolLayer(PoolLayer):
             self.positions = np.concatenate([self.positions, np.zeros(more, dtype=np.int64)])
         super().reserve(slots, needed, rows)
 
-    def index(self, slot: int) -> None:
-        """Slot ``slot``'s flat write indices: its ring's slot for its next position."""
+    def index(self, slots: int | range) -> None:
+        """The flat write indices of a slot (or a range of them): each ring's slot for its next position."""
+        slots = range(slots, slots + 1) if isinstance(slots, int) else slots
+        if not len(slots):
+            return
         h, w = self.n_kv_heads, self.window
-        at = int(self.positions[slot]) % w
-        rings = torch.arange(slot * h, (slot + 1) * h, device=self.device) * w
-        self.next_slot[slot * h:(slot + 1) * h] = rings + at
-        self.next_allowed[slot * h:(slot + 1) * h] = rings + at
+        first, last = slots[0], slots[-1] + 1
+        at = upload(np.arange(first * h, last * h) * w + np.repeat(self.positions[first:last] % w, h), self.device)
+        self.next_slot[first * h:last * h] = at
+        self.next_allowed[first * h:last * h] = at
 
     def load(self, slot: int, layer, room: int) -> None:
         if not layer.is_sliding or layer.window != self.window:
