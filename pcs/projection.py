@@ -22,7 +22,7 @@ import itertools
 import math
 from pathlib import Path
 
-from .config import compose
+from .config import compose, uses
 from .identity import RunIdentity
 from .paths import read_jsonl
 from .sweep import plan
@@ -86,7 +86,7 @@ class Costs:
     def of(self, method: str, selection: str, budget, key: str, pool: int | None = None) -> dict[int, float]:
         def value(r):
             return r[key] if pool is None else r.get("pools", {}).get(str(pool), {}).get(key)
-        match = [r for r in self.rows if r["method"] == method and (method == "full" or
+        match = [r for r in self.rows if r["method"] == method and (budget is None or
                  (r["selection"] in (selection, "none") and r["budget"] == budget))]
         return {r["context"]: value(r) for r in match if value(r) is not None}
 
@@ -111,16 +111,18 @@ def project(overrides: list[str], bench_file: str, pool: int | None, tokens_per_
     totals = [0.0] * 4
     for number, group in enumerate(groups):
         runs = list({RunIdentity(cfgs[i]).folder: cfgs[i] for i in group}.values())
-        cells = [(r.method.name, r.selection.name, r.budget) for r in runs]
+        # (method, selection, budget), the budget None for a method that reads none (the full cache)
+        cells = [(r.method.name, r.selection.name, r.budget if uses("method", r.method.name, "budget") else None)
+                 for r in runs]
         samples = task_lengths(runs[0], tokens_per_word)
         full_prefill = costs.of("full", "none", None, "prefill_s")
-        widest = ("full", "none", None) if any(c[0] == "full" for c in cells) else max(cells, key=lambda c: c[2])
+        widest = next((c for c in cells if c[2] is None), None) or max(cells, key=lambda c: c[2])
         step = costs.of(*widest, "ms_per_step", pool) if pool else {}
         prefill_s = decode_alone_s = decode_pool_s = 0.0
         for n, limit in samples:
             prefill_s += interpolate(full_prefill, n)
             for cell in cells:
-                if cell[0] != "full":
+                if cell[2] is not None:
                     extra = costs.of(*cell, "prefill_s")
                     prefill_s += max(0.0, interpolate(extra, n) - interpolate(full_prefill, n)) if extra else 0.0
                 per_token = (costs.of(*cell, "ms_per_step", 1) or costs.of(*cell, "decode_ms_per_token")
