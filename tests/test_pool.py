@@ -232,6 +232,19 @@ def test_a_sequence_remembers_its_queries_when_the_last_layer_slides():
     assert [ring is None for ring in pool.queries] == [False, True, False, True]    # sliding layers: no ring
 
 
+def test_a_slot_whose_query_heads_chose_apart_is_refused_recompression_as_batch_one_refuses_it():
+    """profile.gqa=per_query_head keeps a mask row per query head; recompressing would drop them. Config
+    validation refuses a trigger with it; through the engine's own API the pool raises as batch 1 does."""
+    model = tiny_model("llama")
+    cell = ("method=snapkv", "selection=perturbation", "profile.gqa=per_query_head")
+    ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(RuntimeError, match="chose apart"):
+        batch1(model, ids, [build(cell)], 30, set(), triggers=[45])
+    arrival = Arrival(model, ids, [Cell(build(cell), 45)], 30, set())
+    with pytest.raises(RuntimeError, match="chose apart"):
+        list(decode(DecodePool(model, 2), [arrival]))
+
+
 def test_a_method_that_keeps_everything_is_never_compressed_again():
     assert Cell(build(("method=full",)), 60).trigger is None
     assert Cell(build(("method=snapkv",)), 60).trigger == 60

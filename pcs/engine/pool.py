@@ -54,6 +54,7 @@ class PoolLayer(CacheLayerMixin):
         self.batch = 0          # sequences in the step's forward: slots [0, batch)
         self.width = 1          # entries attention reads per head this step
         self.recorder = None    # called with the step's (batch, H_q, 1, d) queries (decoding-time compression)
+        self.apart: set[int] = set()   # slots whose query heads chose apart (a mask row each): never compressed again
 
     # -- memory ------------------------------------------------------------------------------------------------
     def reserve(self, slots: int, needed: int, rows: int) -> None:
@@ -123,6 +124,9 @@ class PoolLayer(CacheLayerMixin):
         self.lengths[slot] = lengths
         self.advance[slot] = 1
         self.index(slot)
+        self.apart.discard(slot)
+        if seen.shape[1] > 1:
+            self.apart.add(slot)
 
     def move(self, source: int, target: int) -> None:
         """Slot ``target`` takes slot ``source``'s sequence; ``source`` is freed."""
@@ -133,9 +137,13 @@ class PoolLayer(CacheLayerMixin):
         self.lengths[target] = self.lengths[source]
         self.advance[target] = 1
         self.index(target)
+        self.apart.discard(target)
+        if source in self.apart:
+            self.apart.add(target)
         self.free(source)
 
     def free(self, slot: int) -> None:
+        self.apart.discard(slot)
         self.lengths[slot] = 0
         self.advance[slot] = 0
         self.allowed[slot] = False
@@ -144,6 +152,8 @@ class PoolLayer(CacheLayerMixin):
 
     def row_layer(self, slot: int) -> CompressibleLayer:
         """Slot ``slot``'s entries as a batch-1 layer, what decoding-time recompression works on."""
+        if slot in self.apart:       # as batch 1 refuses it: the per-query-head masks would be lost
+            raise RuntimeError("a layer whose query heads chose apart cannot be compressed again")
         longest = int(self.lengths[slot].max())
         layer = CompressibleLayer(room=0)
         layer.lazy_initialization(self.key_buffer, self.value_buffer)
