@@ -245,6 +245,28 @@ def test_a_slot_whose_query_heads_chose_apart_is_refused_recompression_as_batch_
         list(decode(DecodePool(model, 2), [arrival]))
 
 
+def test_what_a_join_would_allocate_is_counted_before_it_joins():
+    """``DecodePool.growth``, which decides whether a sequence is admitted, counts at least the bytes of the
+    buffers its join then allocates (and not twice as many): a first sequence, a second past the slots, and one
+    whose query heads chose apart (a mask row each)."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(3))
+    cells = [("method=snapkv",), ("method=adakv", "selection=perturbation"),
+             ("method=snapkv", "selection=perturbation", "profile.gqa=per_query_head"), ("method=full",)]
+    sequences = Arrival(model, ids, [Cell(build(c)) for c in cells], 20, set()).prefill()
+    pool = DecodePool(model, 8)
+
+    def buffers():
+        tensors = [t for layer in pool.layers for t in (layer.key_buffer, layer.value_buffer, layer.allowed)]
+        return {id(t): t.nbytes for t in tensors + [t for t in (pool.logits, pool.stop_mask) if t is not None]}
+    with torch.inference_mode():
+        for seq in sequences:
+            before, counted = buffers(), pool.growth(seq)
+            pool.join(seq)
+            allocated = sum(n for key, n in buffers().items() if key not in before)
+            assert allocated <= counted <= 2 * allocated + 1, (seq.method, allocated, counted)
+
+
 def test_a_method_that_keeps_everything_is_never_compressed_again():
     assert Cell(build(("method=full",)), 60).trigger is None
     assert Cell(build(("method=snapkv",)), 60).trigger == 60

@@ -164,13 +164,23 @@ class DecodePool:
             return False
         if not self.sequences:
             return True
+        return self.growth(seq) * 1.1 < free_memory(self.device)
+
+    def growth(self, seq: Sequence) -> int:
+        """Bytes of the buffers ``seq`` joining would allocate: each layer's that grows (slots, capacity, or mask
+        rows where its query heads chose apart) and the logits' and stop masks' rows."""
         slots, room = len(self.sequences) + 1, seq.room()
-        grown = 0
+        grown, rows_of_logits = 0, slots
         for layer, held in zip(self.layers, seq.cache.layers):
-            shape = layer.grown(slots, max(held.entries_per_head()) + room, layer.rows)
+            rows = max(layer.rows, held.allowed.shape[1] if held.is_buffered and held.allowed is not None else 1)
+            shape = layer.grown(slots, max(held.entries_per_head()) + room, rows)
             if shape != (layer.slots, layer.capacity, layer.rows):
                 grown += layer.bytes_for(*shape)
-        return grown * 1.1 < free_memory(self.device)
+            rows_of_logits = max(rows_of_logits, shape[0])
+        if self.logits is None or self.logits.shape[0] < slots:
+            vocab = seq.logits.shape[-1]
+            grown += rows_of_logits * vocab * (torch.empty(0, dtype=self.model.dtype).element_size() + 1)
+        return grown
 
     # -- joining and leaving ---------------------------------------------------------------------------------
     @torch.inference_mode()          # as the step: buffers the step grew are inference tensors
