@@ -290,8 +290,10 @@ class DecodePool:
         """One token for every sequence in flight; returns those that finished (their results complete)."""
         start = time.perf_counter()
         live = len(self.sequences)
-        early = self.upload([len(s.result.token_ids) < s.min_new_tokens for s in self.sequences])
-        logits = self.logits[:live].masked_fill(self.stop_mask[:live] & early[:, None], float("-inf"))
+        early = [len(s.result.token_ids) < s.min_new_tokens for s in self.sequences]
+        logits = self.logits[:live]
+        if any(early):       # a stop cannot end these yet (a (live, vocab) copy, so only when one is that young)
+            logits = logits.masked_fill(self.stop_mask[:live] & self.upload(early)[:, None], float("-inf"))
         chosen = logits.argmax(-1).tolist()
         done = []
         for slot, (seq, token) in enumerate(zip(self.sequences, chosen)):
