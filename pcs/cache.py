@@ -41,10 +41,13 @@ DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, S
 class HeldKeys(NamedTuple):
     """What attention reads from a buffered layer: the (batch, H_kv, L, d) keys, the mask of the slots each
     query row sees (None: all L), shaped (H_kv, 1 or group, q_len, L) for one sequence or (batch, H_kv,
-    1 or group, L) for a decode pool's one-token step, and who wants the step's queries (None: nobody)."""
+    1 or group, L) for a decode pool's one-token step, and who wants the step's queries (None: nobody).
+    ``spans``: a pool's (first, last, width) runs of slots that read only their first ``width`` of the L keys
+    (None: every slot reads all L in one call)."""
     keys: torch.Tensor
     mask: torch.Tensor | None
     record: Callable[[torch.Tensor, float | None], None] | None = None
+    spans: tuple[tuple[int, int, int], ...] | None = None
 
 
 class CompressibleLayer(CacheLayerMixin):
@@ -409,7 +412,7 @@ def held_attention(module, query, key, value, attention_mask, scaling=None, drop
             return sliding_prefill_attention(module, query, key, value, attention_mask, scaling, window, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    keys, mask, record = key
+    keys, mask, record, spans = key
     batch, n_q_heads, q_len, d = query.shape
     n_kv_heads = keys.shape[1]
     group = n_q_heads // n_kv_heads
@@ -420,7 +423,12 @@ def held_attention(module, query, key, value, attention_mask, scaling=None, drop
         else:
             mask = mask.expand(n_kv_heads, group, q_len, -1).reshape(1, n_kv_heads, group * q_len, -1)
     with sdpa_kernel(DECODE_BACKENDS) if rows.is_cuda else nullcontext():
-        out = F.scaled_dot_product_attention(rows, keys, value, attn_mask=mask, scale=scaling)
+        if spans is None:
+            out = F.scaled_dot_product_attention(rows, keys, value, attn_mask=mask, scale=scaling)
+        else:
+            out = torch.cat([F.scaled_dot_product_attention(rows[a:b], keys[a:b, :, :w], value[a:b, :, :w],
+                                                            attn_mask=mask[a:b, ..., :w], scale=scaling)
+                             for a, b, w in spans])
     if record is not None:
         record(query, scaling)
     # reshape, not view: CUDA's kernels may return rows in another memory layout than (H_kv, rows, d).

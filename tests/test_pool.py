@@ -21,7 +21,7 @@ from pcs.engine import Arrival, Cell, DecodePool, decode
 from pcs.engine.pool import PoolCache
 from pcs.eviction import build_method
 
-from conftest import compose_cfg, tiny_model
+from conftest import ARCHITECTURES, compose_cfg, tiny_model
 from test_cache import Spy, masked_reference_logits
 
 NEAR_TIE = 1e-3   # logits; float32 rounding of batched against one-row products is ~1e-6 here
@@ -395,3 +395,61 @@ def test_a_settled_answer_ends_early_as_a_prefix_of_its_whole_answer(size):
         first = whole[(i, j)].index(marks[(i, j)]) + 1        # the answer holds its mark from this many tokens on
         end = -(-first // SETTLE_EVERY) * SETTLE_EVERY         # asked every SETTLE_EVERY tokens
         assert tokens == whole[(i, j)][:end] and len(tokens) < 16
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_cpu_attention_split_by_slot_keeps_every_bit(arch, monkeypatch):
+    """On CPU a step's attention reads each run of slots' own whole key blocks (``read_spans``): a full cache of
+    ~1,000 entries among compressed ones of 40. Every row's logits at every step are the bits of one call over
+    every slot's keys, which is what keeps answers independent of the rest of the pool. Heads of Gemma 3's
+    size (256): at the tiny models' 8 a split inside a block keeps the bits too, and the test could not fail."""
+    import pcs.engine.pool as pool_module
+    from transformers import AutoModelForCausalLM
+    from pcs.models import prepare
+    torch.manual_seed(0)
+    config = ARCHITECTURES[arch]()
+    config.head_dim = 256
+    model = prepare(AutoModelForCausalLM.from_config(config))
+    g = torch.Generator().manual_seed(5)
+    cells = [("method=snapkv", "selection=perturbation"), ("method=full",), ("method=adakv", "selection=attention"),
+             ("method=snapkv", "selection=attention"), ("method=full",)]
+    rows = []
+    for cell, n in zip(cells, (300, 1000, 700, 120, 200)):
+        ids, tokens = torch.randint(0, 256, (1, n), generator=g), torch.randint(0, 256, (6,), generator=g).tolist()
+        cache = CompressedCache.of(model.config, 0)
+        with torch.no_grad(), compress_after_prefill(model, build(cell), cache):
+            model(input_ids=ids, past_key_values=cache)
+        rows.append((ids, tokens, cache))
+
+    def decode_steps():
+        pool = PoolCache(model.config, model.dtype, "cpu")
+        for slot, (_, _, cache) in enumerate(rows):
+            for layer, held in zip(pool.layers, cache.layers):
+                layer.load(slot, held, 6)
+        logits, spans = [], []
+        with torch.no_grad():
+            for t in range(6):
+                pool.prepare_step(len(rows))
+                spans += [layer.spans for layer in pool.layers]
+                logits.append(model(input_ids=torch.tensor([[r[1][t]] for r in rows]),
+                                    position_ids=torch.tensor([[r[0].shape[1] + t] for r in rows]),
+                                    past_key_values=pool).logits[:, -1])
+                pool.stepped(len(rows))
+        return torch.stack(logits), spans
+
+    split, spans = decode_steps()
+    full_layers = [s for s, layer in zip(spans, PoolCache(model.config, model.dtype, "cpu").layers * 6)
+                   if not layer.is_sliding]
+    assert all(s is not None and len(s) >= 3 for s in full_layers)      # the 1,000-entry slot reads two blocks
+    monkeypatch.setattr(pool_module, "read_spans", lambda needed, width: None)
+    whole, _ = decode_steps()
+    assert torch.equal(split, whole)
+
+
+def test_read_spans_are_runs_of_slots_reading_whole_blocks():
+    import numpy as np
+    from pcs.engine.pool import CPU_KEY_BLOCK as B, read_spans
+    assert read_spans(np.array([3, 40, B]), B) is None                 # one block: every slot reads it whole
+    assert read_spans(np.array([3, 2 * B + 5, 2 * B + 9]), 2 * B + 9) == ((0, 1, B), (1, 3, 2 * B + 9))
+    assert read_spans(np.array([B + 1, 7, 9, B + 1]), 2 * B) == ((0, 1, 2 * B), (1, 3, B), (3, 4, 2 * B))
+    assert read_spans(np.array([100, 100]), 60) is None                # never past the step's width

@@ -25,6 +25,11 @@ from ..hybrid import attention_windows, head_dim
 
 GROWTH = 256   # entries added beyond what a growing layer needs (it grows by at least half)
 
+# Keys per block of PyTorch's CPU attention kernel (min(512, L): it splits the L keys so). A slot that reads only
+# its first whole blocks gets the bits it gets reading all L (the blocks past its entries are masked whole, and
+# add exact zeros), so splitting a step's attention by slot changes no answer (tests/test_pool.py checks it).
+CPU_KEY_BLOCK = 512
+
 
 def upload(values, device: torch.device) -> torch.Tensor:
     """Host values (a list or an array) on ``device`` without waiting for it: from pinned memory, asynchronously
@@ -41,6 +46,18 @@ def bucket(live: int, size: int) -> int:
     return min(1 << (live - 1).bit_length(), size)
 
 
+def read_spans(needed: np.ndarray, width: int) -> tuple[tuple[int, int, int], ...] | None:
+    """On CPU, runs ``(first, last, w)`` of consecutive slots whose attention reads only their first ``w`` keys,
+    ``needed`` (per slot, entries of its longest head after the step) rounded up to whole ``CPU_KEY_BLOCK``s; None
+    when every slot reads all ``width``. Attention over keys a slot masks is most of a step's work once a pool
+    mixes lengths (a full cache among compressed ones): memory traffic, which one call per run saves."""
+    widths = np.minimum(-(-needed // CPU_KEY_BLOCK) * CPU_KEY_BLOCK, width)
+    if (widths == width).all():
+        return None
+    starts = [0] + [s for s in range(1, len(widths)) if widths[s] != widths[s - 1]]
+    return tuple((a, b, int(widths[a])) for a, b in zip(starts, starts[1:] + [len(widths)]))
+
+
 class PoolLayer(CacheLayerMixin):
     """One decoder layer of the pool (see the module's docstring)."""
     is_sliding = False
@@ -53,6 +70,7 @@ class PoolLayer(CacheLayerMixin):
         self.reserve(1, 1, 1)
         self.batch = 0          # sequences in the step's forward: slots [0, batch)
         self.width = 1          # entries attention reads per head this step
+        self.spans = None       # slots reading fewer entries this step (read_spans), on CPU
         self.recorder = None    # called with the step's (batch, H_q, 1, d) queries (decoding-time compression)
         self.apart: set[int] = set()   # slots whose query heads chose apart (a mask row each): never compressed again
 
@@ -176,7 +194,8 @@ class PoolLayer(CacheLayerMixin):
         advance = self.advance[:b, None]          # expand, not repeat_interleave: no size read back from the device
         slots += advance.expand(b, h).reshape(-1)
         self.next_allowed[:b * h * r] += advance.expand(b, h * r).reshape(-1)
-        held = HeldKeys(self.key_buffer[:b, :, :self.width], self.allowed[:b, :, :, :self.width], self.recorder)
+        held = HeldKeys(self.key_buffer[:b, :, :self.width], self.allowed[:b, :, :, :self.width], self.recorder,
+                        self.spans)
         return held, self.value_buffer[:b, :, :self.width]
 
     def get_seq_length(self) -> int:
@@ -251,7 +270,8 @@ class SlidingPoolLayer(PoolLayer):
         rings = slots - slots % w
         slots.copy_(rings + (slots - rings + self.advance[:b, None].expand(b, h).reshape(-1)) % w)
         self.next_allowed[:b * h].copy_(slots)
-        held = HeldKeys(self.key_buffer[:b, :, :self.width], self.allowed[:b, :, :, :self.width], self.recorder)
+        held = HeldKeys(self.key_buffer[:b, :, :self.width], self.allowed[:b, :, :, :self.width], self.recorder,
+                        self.spans)
         return held, self.value_buffer[:b, :, :self.width]
 
     def stepped(self, batch: int) -> None:
@@ -274,12 +294,13 @@ class PoolCache(Cache):
 
     def prepare_step(self, batch: int, whole_capacity: bool = False) -> None:
         """Before a forward of slots ``[0, batch)``: attention reads each layer's longest head plus the step's
-        entry (a sliding layer's ring at most), or the layer's whole capacity, a shape that stays the same from
-        step to step (what a captured graph needs)."""
+        entry (a sliding layer's ring at most; on CPU each run of slots its own, ``read_spans``), or the layer's
+        whole capacity, a shape that stays the same from step to step (what a captured graph needs)."""
         for layer in self.layers:
-            needed = int(layer.lengths[:batch].max()) + 1
-            layer.reserve(batch, needed, layer.rows)
-            layer.batch, layer.width = batch, layer.capacity if whole_capacity else min(needed, layer.capacity)
+            needed = layer.lengths[:batch].max(axis=1) + 1
+            layer.reserve(batch, int(needed.max()), layer.rows)
+            layer.batch, layer.width = batch, layer.capacity if whole_capacity else min(int(needed.max()), layer.capacity)
+            layer.spans = read_spans(needed, layer.width) if layer.device.type == "cpu" and not whole_capacity else None
 
     def stepped(self, batch: int) -> None:
         """After a forward: the host's lengths follow the device's (one entry more per head in flight)."""
