@@ -1,4 +1,5 @@
-"""The decode pool's cache: every sequence in flight in one padded buffer per layer, one attention call per layer.
+"""The decode pool's cache: every sequence in flight in one padded buffer per layer, one attention call per layer
+(on CPU one per run of slots reading the same whole key blocks, ``read_spans``).
 
 A layer holds (slots, H_kv, capacity, d) keys and values. Slot s is one sequence (a cell of a sample);
 KV head h of slot s holds its entries in ``[:lengths[s, h]]`` whatever the other heads and slots hold, so
