@@ -402,9 +402,8 @@ class CompressedCache(Cache):
 def held_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention for the ``pcs`` implementation: dense layers (the prefill) go to transformers' SDPA; a
     buffered layer is one SDPA call (a pool's on CPU: one per span) whatever its heads' lengths and however many
-    sequences decode together:
-    the ``group`` query heads of each KV head become ``group x q_len`` rows against that head's keys, and the
-    layer's mask hides the slots a row must not see (other heads' padding, room ahead, later new tokens,
+    sequences decode together: the ``group`` query heads of each KV head become ``group x q_len`` rows against
+    that head's keys, and the layer's mask hides the slots a row must not see (other heads' padding, room ahead, later new tokens,
     entries its query head did not choose).
     """
     if not isinstance(key, HeldKeys):
