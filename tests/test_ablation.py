@@ -172,6 +172,33 @@ def test_the_gemma_ablations_take_the_answers_of_their_two_task_runs(experiment)
         assert but_for_the_samples(now.saved_data()) == but_for_the_samples(before.saved_data())
 
 
+@pytest.mark.parametrize("rerun, base", [("ruler_ablation_gemma_rerun", "ruler_ablation_gemma"),
+                                          ("ruler_ablation_gemma_question_after_rerun",
+                                           "ruler_ablation_gemma_question_after")])
+def test_a_gemma_rerun_runs_cells_of_its_ablation_on_other_samples(rerun, base):
+    """The Gemma reruns: some of their ablation's readings and the full cache, each the same run in everything but
+    the samples (RULER's generator seeded 43: other haystacks, never the ablation's answers, pcs.runner.grow),
+    each sample prefilled once for all."""
+    from pcs.run_folder import but_for_the_samples
+    from pcs.sweep import plan
+    from test_sweeps import hydra_cfg
+    params, base_params = (hydra_cfg(f"experiment={e}").hydra.sweeper.params for e in (rerun, base))
+    readings = str(params.ablation).split(",")
+    assert {"full", "attention", "paper", "criticalkv"} <= set(readings) < set(str(base_params.ablation).split(","))
+    cfgs = []
+    for reading in readings:
+        now, before = (RunIdentity(compose([f"experiment={e}", f"ablation={reading}", f"budget={params.budget}"]))
+                       for e in (rerun, base))
+        cfgs.append(now.cfg)
+        assert (now.cfg.benchmark.seed, before.cfg.benchmark.seed) == (43, 42)
+        assert now.folder != before.folder
+        assert but_for_the_samples(now.saved_data()) != but_for_the_samples(before.saved_data())
+        drop = lambda saved: {**saved, "benchmark": {k: v for k, v in saved["benchmark"].items()
+                                                     if k not in ("seed", "n_samples")}}
+        assert drop(now.saved_data()) == drop(before.saved_data())
+    assert plan(cfgs) == [list(range(len(cfgs)))]
+
+
 @pytest.mark.parametrize("follow_up, base", [
     ("ruler_ablation_question_after_epsilon", "ruler_ablation_question_after"),
     ("ruler_ablation_question_after_epsilon_rerun", "ruler_ablation_question_after_rerun"),
