@@ -141,6 +141,30 @@ def test_cuda_graph_decoding_gives_eager_tokens_and_never_syncs_inside_a_step(gr
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.parametrize("graph_arch", ["llama", "gemma3"])
+def test_cuda_graph_decoding_with_triggers_gives_eager_tokens(graph_arch):
+    """Decoding-time recompression under captured graphs: every step's queries go into the rings inside the
+    replayed forward, rows cross their triggers at different steps (recompressed between forwards, a new layout
+    each time) and rows without a trigger share the pool; the tokens are the eager steps'."""
+    from pcs.engine import Arrival, Cell, DecodePool, decode
+    model = tiny_model(graph_arch).cuda()
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 256, (1, n), generator=g).cuda() for n in (120, 200, 90)]
+    cells = [(CELLS[0], 60), (CELLS[1], 52), (CELLS[3], None), (CELLS[4], 48), (CELLS[5], 60)]
+
+    def answers(graphs):
+        pool = DecodePool(model, 8, graphs)
+        arrivals = (Arrival(model, ids, [Cell(method(c), trigger) for c, trigger in cells], 30 + 5 * i, set(),
+                            owners=[(i, j) for j in range(len(cells))]) for i, ids in enumerate(prompts))
+        return {seq.owner: (seq.result.token_ids, seq.result.n_compressions)
+                for seq in decode(pool, arrivals)}, pool
+
+    eager, _ = answers(False)
+    graphed, pool = answers(True)
+    assert graphed == eager and pool.graphs.graphs
+    assert all(n > 0 for (i, j), (_, n) in eager.items() if cells[j][1] is not None)   # every trigger was crossed
+
+
 def cuda_layer(n, seed=0, dtype=torch.bfloat16, h_kv=8, h_q=32, d=128, hidden=4096):
     """One layer of Llama-3.1-8B's shapes with random bfloat16 values, on the GPU."""
     from pcs.eviction.base import LayerState
