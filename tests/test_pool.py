@@ -206,13 +206,14 @@ def test_a_ring_keeps_its_width_when_a_narrower_window_joins_past_its_rows():
         pool.join(plain)
         pool.join(other)
         assert other.n_queries == 4
-        for ring, queries in zip(pool.queries, recent):
-            assert ring.shape[0] >= 3 and ring.shape[2] == 16
-            torch.testing.assert_close(ring[2, :, -4:], queries[:, -4:])
-            assert not ring[2, :, :-4].any()
+        rings = pool.rings
+        assert rings.slots >= 3 and rings.window == 16
+        for i, queries in enumerate(recent):
+            torch.testing.assert_close(rings.newest(i, 2, 4), queries[:, -4:])
+            assert not rings.newest(i, 2, 16)[:, :-4].any()
         pool.leave(2)
         pool.leave(0)
-    assert pool.queries is None and all(layer.recorder is None for layer in pool.layers)
+    assert pool.rings is None and all(layer.recorder is None for layer in pool.layers)
 
 
 def test_a_sequence_remembers_its_queries_when_the_last_layer_slides():
@@ -229,7 +230,7 @@ def test_a_sequence_remembers_its_queries_when_the_last_layer_slides():
     pool = DecodePool(model, 4)
     pool.join(seq)
     assert seq.n_queries == 8
-    assert [ring is None for ring in pool.queries] == [False, True, False, True]    # sliding layers: no ring
+    assert pool.rings.layers == [0, 2] and sorted(pool.rings.rings) == [0, 2]    # sliding layers: no ring
 
 
 def test_a_slot_whose_query_heads_chose_apart_is_refused_recompression_as_batch_one_refuses_it():
@@ -453,3 +454,55 @@ def test_read_spans_are_runs_of_slots_reading_whole_blocks():
     assert read_spans(np.array([3, 2 * B + 5, 2 * B + 9]), 2 * B + 9) == ((0, 1, B), (1, 3, 2 * B + 9))
     assert read_spans(np.array([B + 1, 7, 9, B + 1]), 2 * B) == ((0, 1, 2 * B), (1, 3, B), (3, 4, 2 * B))
     assert read_spans(np.array([100, 100]), 60) is None                # never past the step's width
+
+
+def test_query_rings_read_as_shifted_windows():
+    """``QueryRings`` writes one column per step where the pool shifted a whole window: over random joins, steps,
+    wider windows, leaves and rows added, every row in flight reads the newest queries of a window shifted by one
+    query at every step (the newest last, zeros before a row's first), as the pool uses them (rows in flight are
+    slots ``[0, live)`` and every one is written at every step)."""
+    from pcs.engine.rings import QueryRings
+    g = torch.Generator().manual_seed(11)
+    draw = lambda n: int(torch.randint(0, n, (1,), generator=g))          # noqa: E731
+    rings = QueryRings([0, 2], 3, 4, torch.float32, "cpu")
+    shifted = {}                                     # layer -> (slots, H_q, window, d), the reference
+
+    def reserve(slots, window):
+        rings.reserve(slots, window)
+        for i in rings.layers:
+            old = shifted.get(i, torch.zeros(0, 3, 0, 4))
+            new = torch.zeros(max(slots, old.shape[0]), 3, max(window, old.shape[2]), 4)
+            new[:old.shape[0], :, new.shape[2] - old.shape[2]:] = old
+            shifted[i] = new
+
+    reserve(2, 3)
+    live, seen = 0, set()
+    for t in range(200):
+        action = draw(5)
+        if action == 0:                                              # a sequence joins the next slot
+            reserve(live + 1, 1)
+            recent = torch.randn(3, 1 + draw(8), 4, generator=g)
+            for i in rings.layers:
+                n = rings.remember(live, i, recent)
+                shifted[i][live] = 0
+                shifted[i][live, :, shifted[i].shape[2] - n:] = recent[:, recent.shape[1] - n:]
+            live += 1
+        elif action == 1:                                            # a wider window
+            reserve(rings.slots, rings.window + draw(3))
+        elif action == 2 and live:                                   # a sequence leaves; the last takes its slot
+            slot, live = draw(live), live - 1
+            if slot != live:
+                rings.move(live, slot)
+                for i in rings.layers:
+                    shifted[i][slot] = shifted[i][live]
+        elif live:                                                   # a step
+            for i in rings.layers:
+                queries = torch.randn(live, 3, 1, 4, generator=g)
+                rings.record(i, queries)
+                shifted[i][:live] = torch.cat([shifted[i][:live, :, 1:], queries], dim=2)
+            rings.stepped()
+        seen.add(action)
+        for i in rings.layers:
+            for slot in range(live):
+                assert torch.equal(rings.newest(i, slot, rings.window), shifted[i][slot]), (t, action, i, slot)
+    assert seen == set(range(5)) and rings.window > 3

@@ -37,6 +37,7 @@ from ..compression import CompressionStats, at_unit_scale, attention_modules, re
 from ..eviction.base import Method
 from ..hybrid import attention_windows, full_attention_layers, head_dim
 from .pool import PoolCache, upload
+from .rings import QueryRings
 
 # How often (in tokens) a sequence with a ``settled`` test is asked it: the test decodes its tokens to text on the
 # host, which on a fast device costs more than a step when asked of every sequence at every step. An answer
@@ -143,7 +144,7 @@ class DecodePool:
         self.cache = PoolCache(self.model.config, self.model.dtype, self.device, max(self.size, 1))
         self.layers = self.cache.layers
         self.logits = self.stop_mask = None            # (slots, vocab), allocated with the first sequence
-        self.queries: list[torch.Tensor] | None = None   # per layer (slots, H_q, window, d), when a trigger is set
+        self.rings: QueryRings | None = None       # the newest queries per layer, while a trigger is in flight
         self.graphs = None
         if self.use_graphs:
             from .graphs import StepGraphs
@@ -221,45 +222,23 @@ class DecodePool:
         self.logits, self.stop_mask = logits, stop_mask
 
     def remember_window(self, slot: int, seq: Sequence) -> None:
-        """The newest queries of each layer, which decoding-time recompression scores with: a ring per layer of
-        (slots, H_q, window, d), the newest last, filled by attention at every step (``recorder``)."""
+        """The newest queries of each full-attention layer, which decoding-time recompression scores with
+        (``QueryRings``), fed by attention at every step (the layers' ``recorder``)."""
         needed = max([1] + [s.method.window for s in self.sequences + [seq] if s.trigger is not None])
-        n_q_heads, width = self.model.config.num_attention_heads, head_dim(self.model.config)
-        if self.queries is None:
-            self.queries = [None] * len(self.layers)
-        remembered = []
-        for i, held in enumerate(seq.cache.layers):
-            if self.layers[i].is_sliding:          # never recompressed: nothing to remember
-                continue
-            recent, ring = held.recent_queries, self.queries[i]
-            # never narrower than it is: sequences in flight may read windows wider than the newcomers need
-            window = needed if ring is None else max(needed, ring.shape[2])
-            if ring is None or ring.shape[0] <= slot or ring.shape[2] < window:
-                grown = torch.zeros(max(slot + 1, self.layers[i].slots), n_q_heads, window, width,
-                                    dtype=self.model.dtype, device=self.device)
-                if ring is not None:
-                    grown[:ring.shape[0], :, window - ring.shape[2]:] = ring
-                ring = self.queries[i] = grown
-            ring[slot] = 0
-            n = min(recent.shape[1], ring.shape[2]) if recent is not None and recent.dim() == 3 else 0
-            if n:
-                ring[slot, :, -n:] = recent[:, -n:]
-            remembered.append(n)
+        if self.rings is None:
+            self.rings = QueryRings(list(self.compressed), self.model.config.num_attention_heads,
+                                    head_dim(self.model.config), self.model.dtype, self.device)
+        # never narrower than they are: sequences in flight may read windows wider than the newcomers need
+        self.rings.reserve(max(slot + 1, self.layers[0].slots), needed)
+        seq.n_queries = min([self.rings.remember(slot, i, seq.cache.layers[i].recent_queries)
+                             for i in self.rings.layers], default=0)
+        for i in self.rings.layers:
             self.layers[i].recorder = self.recorder(i)
-        seq.n_queries = min(remembered, default=0)
 
     def recorder(self, i: int):
         def record(query: torch.Tensor, scaling: float | None) -> None:   # (batch, H_q, 1, d), rotary applied
-            ring, b = self.queries[i], query.shape[0]
-            ring[:b] = torch.cat([ring[:b, :, 1:], at_unit_scale(query, scaling).to(ring.dtype)], dim=2)
+            self.rings.record(i, at_unit_scale(query, scaling))
         return record
-
-    def fit_queries(self, slots: int) -> None:
-        """Rings for ``slots`` rows before a forward (slots joined without a trigger since they were sized); never
-        inside the forward, where a CUDA graph may be capturing."""
-        for i, ring in enumerate(self.queries or []):
-            if ring is not None and ring.shape[0] < slots:
-                self.queries[i] = torch.cat([ring, ring.new_zeros(slots - ring.shape[0], *ring.shape[1:])])
 
     def leave(self, slot: int) -> None:
         """The sequence at ``slot`` leaves; the last one in flight moves into its slot."""
@@ -269,12 +248,11 @@ class DecodePool:
         if slot != last:
             self.logits[slot] = self.logits[last]
             self.stop_mask[slot] = self.stop_mask[last]
-            for ring in self.queries or []:
-                if ring is not None and ring.shape[0] > last:
-                    ring[slot] = ring[last]
+            if self.rings is not None:
+                self.rings.move(last, slot)
             self.sequences[slot] = self.sequences[last]
         self.sequences.pop()
-        if self.queries is not None and all(s.trigger is None for s in self.sequences):
+        if self.rings is not None and all(s.trigger is None for s in self.sequences):
             self.forget_windows()
 
     def forget_windows(self) -> None:
@@ -282,7 +260,7 @@ class DecodePool:
         every row); the next sequence with a trigger builds them anew."""
         for layer in self.layers:
             layer.recorder = None
-        self.queries = None
+        self.rings = None
 
     # -- the step ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -328,7 +306,8 @@ class DecodePool:
         live = len(self.sequences)
         ids = self.upload([[s.result.token_ids[-1]] for s in self.sequences])
         positions = self.upload([[s.position] for s in self.sequences])
-        self.fit_queries(self.layers[0].slots if self.graphs is not None else live)
+        if self.rings is not None:      # rows for slots joined without a trigger; never inside a captured forward
+            self.rings.reserve(self.layers[0].slots if self.graphs is not None else live, 1)
         if self.graphs is not None:
             self.logits[:live] = self.graphs.run(ids, positions)
         else:
@@ -336,6 +315,8 @@ class DecodePool:
             out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True)
             self.logits[:live] = out.logits[:, -1]
         self.cache.stepped(live)
+        if self.rings is not None:
+            self.rings.stepped()
         longest = np.max([layer.lengths[:live].max(axis=1) for layer in self.layers if not layer.is_sliding]
                          or [np.zeros(live, dtype=np.int64)], axis=0)
         for seq, held in zip(self.sequences, longest.tolist()):
@@ -357,8 +338,8 @@ class DecodePool:
                 if longest[slot] <= seq.trigger:
                     continue
                 row = layer.row_layer(slot)
-                window = min(seq.n_queries, seq.method.window, self.queries[i].shape[2])
-                row.recent_queries = self.queries[i][slot, :, self.queries[i].shape[2] - window:]
+                row.recent_queries = self.rings.newest(i, slot, min(seq.n_queries, seq.method.window,
+                                                                     self.rings.window))
                 if recompress(row, seq.method, i, n_layers, self.o_proj[i], self.compressed):
                     seq.stats.compressed_at.add(seq.position)
                     layer.load(slot, row, seq.room())

@@ -27,7 +27,7 @@ class StepGraphs:
         tensors = [t for layer in self.pool.layers
                    for t in (layer.key_buffer, layer.value_buffer, layer.allowed, layer.next_slot, layer.next_allowed,
                              layer.advance)]
-        tensors += [ring for ring in self.pool.queries or [] if ring is not None]
+        tensors += self.pool.rings.tensors() if self.pool.rings is not None else []
         recorders = tuple(layer.recorder is not None for layer in self.pool.layers)
         return (size, recorders) + tuple((t.data_ptr(), tuple(t.shape)) for t in tensors)
 
@@ -71,7 +71,8 @@ class StepGraphs:
 
     def state(self) -> list[torch.Tensor]:
         tensors = [t for layer in self.pool.layers for t in (layer.next_slot, layer.next_allowed)]
-        return [(t, t.clone()) for t in tensors + [r for r in self.pool.queries or [] if r is not None]]
+        tensors += self.pool.rings.tensors() if self.pool.rings is not None else []
+        return [(t, t.clone()) for t in tensors]
 
     @staticmethod
     def restore(saved) -> None:
