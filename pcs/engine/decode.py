@@ -9,7 +9,9 @@ forward for every sequence in flight, top to bottom:
 2. sequences that stopped, reached their maximum or whose answer is decided (``Sequence.settled``, asked every
    ``SETTLE_EVERY`` tokens) leave (their slots are refilled from the end);
 3. one forward feeds every remaining sequence its token at its own position (``PoolCache``: one attention
-   call per layer for the whole pool), on CUDA as a captured graph (``pcs.engine.graphs``);
+   call per layer for the whole pool, on CPU one per run of slots of like length), on CUDA as a captured graph
+   (``pcs.engine.graphs``); attention records each row's query in its layer's ring (``QueryRings``) while a
+   sequence with a trigger is in flight;
 4. a layer of a sequence whose heads outgrew its ``compress.trigger`` is compressed again.
 
 ``decode`` admits sequences as slots free up, asking for the next sample's only when none wait, so a
