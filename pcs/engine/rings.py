@@ -15,7 +15,7 @@ import torch
 class QueryRings:
     def __init__(self, layers: list[int], n_q_heads: int, head_dim: int, dtype, device):
         self.layers = layers                       # the full-attention layers (sliding ones are never recompressed)
-        self.shape, self.dtype, self.device = (n_q_heads, head_dim), dtype, device
+        self.n_q_heads, self.head_dim, self.dtype, self.device = n_q_heads, head_dim, dtype, device
         self.rings: dict[int, torch.Tensor] = {}   # layer -> (slots, H_q, window, d)
         self.next = {i: torch.zeros(1, dtype=torch.long, device=device) for i in layers}  # column the step writes
         self.slots = self.window = 0
@@ -27,7 +27,7 @@ class QueryRings:
         if (slots, window) == (self.slots, self.window):
             return
         for i in self.layers:
-            grown = torch.zeros(slots, *self.shape[:1], window, self.shape[1], dtype=self.dtype, device=self.device)
+            grown = torch.zeros(slots, self.n_q_heads, window, self.head_dim, dtype=self.dtype, device=self.device)
             if self.slots:
                 if window == self.window:          # only rows added: the columns stay where they are
                     grown[:self.slots] = self.rings[i]
