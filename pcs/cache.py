@@ -42,7 +42,7 @@ class HeldKeys(NamedTuple):
     """What attention reads from a buffered layer: the (batch, H_kv, L, d) keys, the mask of the slots each
     query row sees (None: all L), shaped (H_kv, 1 or group, q_len, L) for one sequence or (batch, H_kv,
     1 or group, L) for a decode pool's one-token step, and who wants the step's queries (None: nobody).
-    ``spans``: a pool's (first, last, width) runs of slots that read only their first ``width`` of the L keys
+    ``spans``: a pool's (start, stop, width) runs of slots that read only their first ``width`` of the L keys
     (None: every slot reads all L in one call)."""
     keys: torch.Tensor
     mask: torch.Tensor | None

@@ -65,7 +65,7 @@ def main() -> None:
     cfg = compose([f"model={args.model}"])
     model = prepare(AutoModelForCausalLM.from_pretrained(converted_gguf(cfg.model.gguf, None), dtype=torch.float32))
     split = pool_module.read_spans
-    ways = {"split": split, "one_call": lambda needed, width: None}
+    ways = {"split": split, "one_call": lambda *args: None}
     for share in args.share:
         lengths = [n for c in args.contexts for n in [c] + [int(share * c)] * args.compressed]
         pool = pool_of(model, lengths)

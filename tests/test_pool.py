@@ -438,11 +438,16 @@ def test_cpu_attention_split_by_slot_keeps_every_bit(arch, monkeypatch):
                 pool.stepped(len(rows))
         return torch.stack(logits), spans
 
-    split, spans = decode_steps()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)            # the split is taken (read_spans) whatever threads the suite runs with
+    try:
+        split, spans = decode_steps()
+    finally:
+        torch.set_num_threads(threads)
     full_layers = [s for s, layer in zip(spans, PoolCache(model.config, model.dtype, "cpu").layers * 6)
                    if not layer.is_sliding]
     assert all(s is not None and len(s) >= 3 for s in full_layers)      # the 1,000-entry slot reads two blocks
-    monkeypatch.setattr(pool_module, "read_spans", lambda needed, width: None)
+    monkeypatch.setattr(pool_module, "read_spans", lambda *args: None)
     whole, _ = decode_steps()
     assert torch.equal(split, whole)
 
@@ -450,10 +455,17 @@ def test_cpu_attention_split_by_slot_keeps_every_bit(arch, monkeypatch):
 def test_read_spans_are_runs_of_slots_reading_whole_blocks():
     import numpy as np
     from pcs.engine.pool import CPU_KEY_BLOCK as B, read_spans
-    assert read_spans(np.array([3, 40, B]), B) is None                 # one block: every slot reads it whole
-    assert read_spans(np.array([3, 2 * B + 5, 2 * B + 9]), 2 * B + 9) == ((0, 1, B), (1, 3, 2 * B + 9))
-    assert read_spans(np.array([B + 1, 7, 9, B + 1]), 2 * B) == ((0, 1, 2 * B), (1, 3, B), (3, 4, 2 * B))
-    assert read_spans(np.array([100, 100]), 60) is None                # never past the step's width
+    assert read_spans(np.array([3, 40, B]), B, 1, 1) is None                 # one block: every slot reads it whole
+    assert read_spans(np.array([3, 2 * B + 5, 2 * B + 9]), 2 * B + 9, 1, 1) == ((0, 1, B), (1, 3, 2 * B + 9))
+    assert read_spans(np.array([B + 1, 7, 9, B + 1]), 2 * B, 3, 1) == ((0, 1, 2 * B), (1, 3, B), (3, 4, 2 * B))
+    assert read_spans(np.array([100, 100]), 60, 1, 1) is None                # never past the step's width
+    # The Gemma ablations' pool: per sample a full cache of 8,193 entries and ten of 2,048, one KV head. On 2
+    # threads the split reads 3 x (8,193 + 5 x 2,048) keys on the busiest thread against 17 x 8,193 in one call;
+    # on 16 the three long slots, each alone in its call, would keep one thread busy three times over (3 x (8,193
+    # + 2,048) against 3 x 8,193): one call.
+    pool = np.array(([8193] + [2048] * 10) * 3)
+    assert len(read_spans(pool, 8193, 1, 2)) == 6 and read_spans(pool, 8193, 1, 1) == read_spans(pool, 8193, 1, 2)
+    assert read_spans(pool, 8193, 1, 16) is None
 
 
 def test_query_rings_read_as_shifted_windows():
@@ -506,3 +518,33 @@ def test_query_rings_read_as_shifted_windows():
             for slot in range(live):
                 assert torch.equal(rings.newest(i, slot, rings.window), shifted[i][slot]), (t, action, i, slot)
     assert seen == set(range(5)) and rings.window > 3
+
+
+def test_query_rings_out_of_memory_while_growing_stay_as_they_were(monkeypatch):
+    """Out of memory part way through growing (the second layer's ring), every ring keeps its shape and queries:
+    the pool goes on with fewer answers (pcs.engine.decode), reading them as before."""
+    import pcs.engine.rings as rings_module
+    rings = rings_module.QueryRings([0, 1], 2, 4, torch.float32, "cpu")
+    rings.reserve(2, 3)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        for i in rings.layers:
+            rings.record(i, torch.randn(2, 2, 1, 4, generator=g))
+        rings.stepped()
+    before = {(i, slot): rings.newest(i, slot, 3) for i in rings.layers for slot in range(2)}
+    calls, allocate = [], torch.zeros
+
+    def zeros(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("out of memory")
+        return allocate(*args, **kwargs)
+    monkeypatch.setattr(rings_module.torch, "zeros", zeros)
+    with pytest.raises(torch.OutOfMemoryError):
+        rings.reserve(4, 5)
+    monkeypatch.undo()
+    assert len(calls) == 2                               # the first layer's ring was allocated
+    assert (rings.slots, rings.window) == (2, 3) and all(r.shape == (2, 2, 3, 4) for r in rings.rings.values())
+    assert all(torch.equal(rings.newest(i, slot, 3), q) for (i, slot), q in before.items())
+    rings.reserve(4, 5)                                  # and grows once memory allows
+    assert all(torch.equal(rings.newest(i, slot, 3), q) for (i, slot), q in before.items())

@@ -7,7 +7,8 @@ per-head lengths (AdaKV, PyramidKV, LaProx) and sequences of any length share th
 (slots, H_kv, rows, capacity) says which entries each query row sees: a head's own, and per query head
 where a method chose per query head (``rows`` becomes the group when such a sequence joins; else 1). A
 decoding step writes each head's new entry at its own length through flat indices kept on the device,
-and attends once per layer for the whole pool: the sequences are the batch.
+and attends once per layer for the whole pool: the sequences are the batch (on CPU, once per run of slots that
+read fewer keys, ``read_spans``).
 
 Sequences in flight occupy slots ``[0, live)``: one that leaves is replaced by the last (``move``), so a
 step's batch is a prefix of the slots. The host mirrors every length (``lengths``), so nothing is read
@@ -47,16 +48,22 @@ def bucket(live: int, size: int) -> int:
     return min(1 << (live - 1).bit_length(), size)
 
 
-def read_spans(needed: np.ndarray, width: int) -> tuple[tuple[int, int, int], ...] | None:
-    """On CPU, runs ``(first, last, w)`` of consecutive slots whose attention reads only their first ``w`` keys,
+def read_spans(needed: np.ndarray, width: int, n_kv_heads: int, threads: int) -> tuple[tuple[int, int, int], ...] | None:
+    """On CPU, runs ``(start, stop, w)`` of consecutive slots whose attention reads only their first ``w`` keys,
     ``needed`` (per slot, entries of its longest head after the step) rounded up to whole ``CPU_KEY_BLOCK``s; None
-    when every slot reads all ``width``. Attention over keys a slot masks is most of a step's work once a pool
-    mixes lengths (a full cache among compressed ones): memory traffic, which one call per run saves."""
+    when one call over all ``width`` keys is as fast. Attention over keys a slot masks is most of a step's work
+    once a pool mixes lengths (a full cache among compressed ones). The runs are called one after another, and the
+    kernel shares a call's (slot, KV head) pairs among the ``threads``: with many threads and few heads a lone long
+    slot would keep one busy while the rest wait, so the split is taken only where it reads fewer keys per thread."""
     widths = np.minimum(-(-needed // CPU_KEY_BLOCK) * CPU_KEY_BLOCK, width)
     if (widths == width).all():
         return None
     starts = [0] + [s for s in range(1, len(widths)) if widths[s] != widths[s - 1]]
-    return tuple((a, b, int(widths[a])) for a, b in zip(starts, starts[1:] + [len(widths)]))
+    spans = tuple((a, b, int(widths[a])) for a, b in zip(starts, starts[1:] + [len(widths)]))
+    per_thread = lambda slots, w: -(-slots * n_kv_heads // threads) * w       # noqa: E731  keys, busiest thread
+    if sum(per_thread(b - a, w) for a, b, w in spans) >= per_thread(len(widths), width):
+        return None
+    return spans
 
 
 class PoolLayer(CacheLayerMixin):
@@ -297,11 +304,12 @@ class PoolCache(Cache):
         """Before a forward of slots ``[0, batch)``: attention reads each layer's longest head plus the step's
         entry (a sliding layer's ring at most; on CPU each run of slots its own, ``read_spans``), or the layer's
         whole capacity, a shape that stays the same from step to step (what a captured graph needs)."""
+        split = self.layers[0].device.type == "cpu" and not whole_capacity
         for layer in self.layers:
+            layer.reserve(batch, int(layer.lengths[:batch].max()) + 1, layer.rows)
             needed = layer.lengths[:batch].max(axis=1) + 1
-            layer.reserve(batch, int(needed.max()), layer.rows)
             layer.batch, layer.width = batch, layer.capacity if whole_capacity else min(int(needed.max()), layer.capacity)
-            layer.spans = read_spans(needed, layer.width) if layer.device.type == "cpu" and not whole_capacity else None
+            layer.spans = read_spans(needed, layer.width, layer.n_kv_heads, torch.get_num_threads()) if split else None
 
     def stepped(self, batch: int) -> None:
         """After a forward: the host's lengths follow the device's (one entry more per head in flight)."""

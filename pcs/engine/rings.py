@@ -22,18 +22,20 @@ class QueryRings:
         self.oldest = 0                            # host mirror of every pointer: the column of the oldest query
 
     def reserve(self, slots: int, window: int) -> None:
-        """At least ``slots`` rows of ``window`` queries; a wider window keeps every row's queries, newest last."""
+        """At least ``slots`` rows of ``window`` queries; a wider window keeps every row's queries, newest last.
+        Every ring is grown before any is replaced: out of memory part way, the rings stay as they were."""
         slots, window = max(slots, self.slots), max(window, self.window)
         if (slots, window) == (self.slots, self.window):
             return
-        for i in self.layers:
-            grown = torch.zeros(slots, self.n_q_heads, window, self.head_dim, dtype=self.dtype, device=self.device)
+        grown = {i: torch.zeros(slots, self.n_q_heads, window, self.head_dim, dtype=self.dtype, device=self.device)
+                 for i in self.layers}
+        for i, ring in grown.items():
             if self.slots:
                 if window == self.window:          # only rows added: the columns stay where they are
-                    grown[:self.slots] = self.rings[i]
+                    ring[:self.slots] = self.rings[i]
                 else:
-                    grown[:self.slots, :, window - self.window:] = self.rings[i].roll(-self.oldest, dims=2)
-            self.rings[i] = grown
+                    ring[:self.slots, :, window - self.window:] = self.rings[i].roll(-self.oldest, dims=2)
+        self.rings = grown
         if window != self.window:
             self.oldest = 0
             for pointer in self.next.values():
@@ -42,7 +44,7 @@ class QueryRings:
 
     def columns(self, n: int) -> torch.Tensor:
         """The columns of the newest ``n`` queries, oldest first."""
-        return (self.oldest - n + torch.arange(n)) % self.window
+        return (self.oldest - n + torch.arange(n, device=self.device)) % self.window
 
     def remember(self, slot: int, layer: int, recent: torch.Tensor | None) -> int:
         """Row ``slot`` of layer ``layer`` takes a joining sequence's (H_q, n, d) newest queries (None: none);
@@ -51,7 +53,7 @@ class QueryRings:
         ring[slot] = 0
         n = min(recent.shape[1], self.window) if recent is not None and recent.dim() == 3 else 0
         if n:
-            ring[slot][:, self.columns(n).to(self.device)] = recent[:, -n:].to(ring.dtype)
+            ring[slot][:, self.columns(n)] = recent[:, -n:].to(ring.dtype)
         return n
 
     def record(self, layer: int, queries: torch.Tensor) -> None:
@@ -65,7 +67,7 @@ class QueryRings:
 
     def newest(self, layer: int, slot: int, n: int) -> torch.Tensor:
         """Row ``slot``'s newest ``n`` queries of layer ``layer``, (H_q, n, d), oldest first."""
-        return self.rings[layer][slot][:, self.columns(n).to(self.device)]
+        return self.rings[layer][slot][:, self.columns(n)]
 
     def move(self, source: int, target: int) -> None:
         for ring in self.rings.values():
