@@ -248,17 +248,19 @@ def test_a_slot_whose_query_heads_chose_apart_is_refused_recompression_as_batch_
 
 def test_what_a_join_would_allocate_is_counted_before_it_joins():
     """``DecodePool.growth``, which decides whether a sequence is admitted, counts at least the bytes of the
-    buffers its join then allocates (and not twice as many): a first sequence, a second past the slots, and one
-    whose query heads chose apart (a mask row each)."""
+    buffers its join then allocates (and not twice as many): a first sequence, a second past the slots, one
+    whose query heads chose apart (a mask row each), and ones with a trigger (query rings of their windows)."""
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(3))
-    cells = [("method=snapkv",), ("method=adakv", "selection=perturbation"),
-             ("method=snapkv", "selection=perturbation", "profile.gqa=per_query_head"), ("method=full",)]
-    sequences = Arrival(model, ids, [Cell(build(c)) for c in cells], 20, set()).prefill()
+    cells = [(("method=snapkv",), None), (("method=adakv", "selection=perturbation"), 60),
+             (("method=snapkv", "selection=perturbation", "profile.gqa=per_query_head"), None),
+             (("method=snapkv", "method.window=16"), 60), (("method=full",), None)]
+    sequences = Arrival(model, ids, [Cell(build(c), trigger) for c, trigger in cells], 20, set()).prefill()
     pool = DecodePool(model, 8)
 
     def buffers():
         tensors = [t for layer in pool.layers for t in (layer.key_buffer, layer.value_buffer, layer.allowed)]
+        tensors += list(pool.rings.rings.values()) if pool.rings is not None else []
         return {id(t): t.nbytes for t in tensors + [t for t in (pool.logits, pool.stop_mask) if t is not None]}
     with torch.inference_mode():
         for seq in sequences:

@@ -171,7 +171,8 @@ class DecodePool:
 
     def growth(self, seq: Sequence) -> int:
         """Bytes of the buffers ``seq`` joining would allocate: each layer's that grows (slots, capacity, or mask
-        rows where its query heads chose apart) and the logits' and stop masks' rows."""
+        rows where its query heads chose apart), the logits' and stop masks' rows, and the query rings' (a
+        sequence with a trigger, or any while they exist: they follow the slots)."""
         slots, room = len(self.sequences) + 1, seq.room()
         grown, rows_of_logits = 0, slots
         for layer, held in zip(self.layers, seq.cache.layers):
@@ -183,6 +184,8 @@ class DecodePool:
         if self.logits is None or self.logits.shape[0] < slots:
             vocab = seq.logits.shape[-1]
             grown += rows_of_logits * vocab * (torch.empty(0, dtype=self.model.dtype).element_size() + 1)
+        if seq.trigger is not None or self.rings is not None:
+            grown += (self.rings or self.new_rings()).bytes_for(rows_of_logits, self.window_for(seq))
         return grown
 
     # -- joining and leaving ---------------------------------------------------------------------------------
@@ -226,16 +229,22 @@ class DecodePool:
     def remember_window(self, slot: int, seq: Sequence) -> None:
         """The newest queries of each full-attention layer, which decoding-time recompression scores with
         (``QueryRings``), fed by attention at every step (the layers' ``recorder``)."""
-        needed = max([1] + [s.method.window for s in self.sequences + [seq] if s.trigger is not None])
         if self.rings is None:
-            self.rings = QueryRings(list(self.compressed), self.model.config.num_attention_heads,
-                                    head_dim(self.model.config), self.model.dtype, self.device)
+            self.rings = self.new_rings()
         # never narrower than they are: sequences in flight may read windows wider than the newcomers need
-        self.rings.reserve(max(slot + 1, self.layers[0].slots), needed)
+        self.rings.reserve(max(slot + 1, self.layers[0].slots), self.window_for(seq))
         seq.n_queries = min([self.rings.remember(slot, i, seq.cache.layers[i].recent_queries)
                              for i in self.rings.layers], default=0)
         for i in self.rings.layers:
             self.layers[i].recorder = self.recorder(i)
+
+    def new_rings(self) -> QueryRings:
+        return QueryRings(list(self.compressed), self.model.config.num_attention_heads, head_dim(self.model.config),
+                          self.model.dtype, self.device)
+
+    def window_for(self, seq: Sequence) -> int:
+        """The queries the rings keep once ``seq`` joins: the widest window of a sequence with a trigger."""
+        return max([1] + [s.method.window for s in self.sequences + [seq] if s.trigger is not None])
 
     def recorder(self, i: int):
         def record(query: torch.Tensor, scaling: float | None) -> None:   # (batch, H_q, 1, d), rotary applied

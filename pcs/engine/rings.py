@@ -17,7 +17,7 @@ class QueryRings:
         self.layers = layers                       # the full-attention layers (sliding ones are never recompressed)
         self.n_q_heads, self.head_dim, self.dtype, self.device = n_q_heads, head_dim, dtype, device
         self.rings: dict[int, torch.Tensor] = {}   # layer -> (slots, H_q, window, d)
-        self.next = {i: torch.zeros(1, dtype=torch.long, device=device) for i in layers}  # column the step writes
+        self.next: dict[int, torch.Tensor] = {}   # layer -> (1,) the column the step writes, from the first reserve
         self.slots = self.window = 0
         self.oldest = 0                            # host mirror of every pointer: the column of the oldest query
 
@@ -38,9 +38,20 @@ class QueryRings:
         self.rings = grown
         if window != self.window:
             self.oldest = 0
-            for pointer in self.next.values():
-                pointer.zero_()
+            for i in self.layers:
+                if i in self.next:
+                    self.next[i].zero_()
+                else:
+                    self.next[i] = torch.zeros(1, dtype=torch.long, device=self.device)
         self.slots, self.window = slots, window
+
+    def bytes_for(self, slots: int, window: int) -> int:
+        """Bytes ``reserve(slots, window)`` would allocate (0: nothing grows)."""
+        slots, window = max(slots, self.slots), max(window, self.window)
+        if (slots, window) == (self.slots, self.window):
+            return 0
+        return len(self.layers) * slots * self.n_q_heads * window * self.head_dim * \
+            torch.empty(0, dtype=self.dtype).element_size()
 
     def columns(self, n: int) -> torch.Tensor:
         """The columns of the newest ``n`` queries, oldest first."""
