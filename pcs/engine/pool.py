@@ -60,8 +60,10 @@ def read_spans(needed: np.ndarray, width: int, n_kv_heads: int, threads: int) ->
         return None
     starts = [0] + [s for s in range(1, len(widths)) if widths[s] != widths[s - 1]]
     spans = tuple((a, b, int(widths[a])) for a, b in zip(starts, starts[1:] + [len(widths)]))
-    per_thread = lambda slots, w: -(-slots * n_kv_heads // threads) * w       # noqa: E731  keys, busiest thread
-    if sum(per_thread(b - a, w) for a, b, w in spans) >= per_thread(len(widths), width):
+
+    def busiest(slots: int, w: int) -> int:       # keys the busiest thread reads in one call
+        return -(-slots * n_kv_heads // threads) * w
+    if sum(busiest(b - a, w) for a, b, w in spans) >= busiest(len(widths), width):
         return None
     return spans
 
