@@ -307,11 +307,12 @@ class PoolCache(Cache):
         entry (a sliding layer's ring at most; on CPU each run of slots its own, ``read_spans``), or the layer's
         whole capacity, a shape that stays the same from step to step (what a captured graph needs)."""
         split = self.layers[0].device.type == "cpu" and not whole_capacity
+        threads = torch.get_num_threads()
         for layer in self.layers:
             layer.reserve(batch, int(layer.lengths[:batch].max()) + 1, layer.rows)
             needed = layer.lengths[:batch].max(axis=1) + 1
             layer.batch, layer.width = batch, layer.capacity if whole_capacity else min(int(needed.max()), layer.capacity)
-            layer.spans = read_spans(needed, layer.width, layer.n_kv_heads, torch.get_num_threads()) if split else None
+            layer.spans = read_spans(needed, layer.width, layer.n_kv_heads, threads) if split else None
 
     def stepped(self, batch: int) -> None:
         """After a forward: the host's lengths follow the device's (one entry more per head in flight)."""
