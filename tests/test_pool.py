@@ -261,12 +261,13 @@ def test_what_a_join_would_allocate_is_counted_before_it_joins():
     def buffers():
         tensors = [t for layer in pool.layers for t in (layer.key_buffer, layer.value_buffer, layer.allowed)]
         tensors += list(pool.rings.rings.values()) if pool.rings is not None else []
-        return {id(t): t.nbytes for t in tensors + [t for t in (pool.logits, pool.stop_mask) if t is not None]}
+        # the tensors themselves, held: a freed buffer's id could be taken by a new one and hide it
+        return {id(t): t for t in tensors + [t for t in (pool.logits, pool.stop_mask) if t is not None]}
     with torch.inference_mode():
         for seq in sequences:
             before, counted = buffers(), pool.growth(seq)
             pool.join(seq)
-            allocated = sum(n for key, n in buffers().items() if key not in before)
+            allocated = sum(t.nbytes for key, t in buffers().items() if key not in before)
             assert allocated <= counted <= 2 * allocated + 1, (seq.method, allocated, counted)
 
 
