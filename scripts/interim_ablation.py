@@ -11,10 +11,13 @@ stratum at a time in turn, so the shared samples cover every task and length ali
 the samples so far and narrow as the runs go on. Rows are read as a resuming job reads them (shards included, a
 torn last line dropped), and per stratum only the first samples every run has answered count: in a decode pool
 answers may land out of order (short ones first), and a hole in one run must not bias which samples are shared.
+Under each table: the widest half-width, and the samples it projects for every interval to be within
+``--target`` (a half-width shrinks as one over the square root of the samples, at the spread so far).
 """
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -41,6 +44,7 @@ def main(argv=None) -> int:
     parser.add_argument("folders", type=Path, nargs="+", help="folders holding run folders")
     parser.add_argument("--setting", default="", help="only groups whose setting contains this text")
     parser.add_argument("--resamples", type=int, default=10_000)
+    parser.add_argument("--target", type=float, default=3.0, help="half-width to project the samples for")
     args = parser.parse_args(argv)
     run_dirs = sorted(p.parent for folder in args.folders for p in folder.glob("*/config.yaml")
                       if (p.parent / "predictions.jsonl").exists())
@@ -54,6 +58,7 @@ def main(argv=None) -> int:
         print(f"\n### {model}, {benchmark}, {setting}, {method}, budget {budget}: {len(shared)} samples shared by "
               f"{len(members)} runs\n")
         print("| conventions | selection | score | vs w/o | vs paper knobs |\n|---|---|---:|---|---|")
+        widest = 0.0
         for (conventions, selection), reading in sorted(members.items()):
             cells = []
             for baseline in (reading.baseline("w/o"), reading.baseline("paper knobs")):
@@ -65,11 +70,20 @@ def main(argv=None) -> int:
                 strata = mean_domains(table)["average"]
                 interval = paired_bootstrap((table[1] - table[0]).to_numpy(), strata, args.resamples, 0)
                 cells.append(f"{interval.delta:+.1f} [{interval.ci_low:+.1f}, {interval.ci_high:+.1f}]")
+                widest = max(widest, (interval.ci_high - interval.ci_low) / 2)
             frame = scores[(conventions, selection)]
             score = frame.groupby("stratum")["score"].mean().mean()
             print(f"| {conventions or 'paper'} | {selection if selection != ATTENTION else 'attention'} | "
                   f"{score:.1f} | {cells[0]} | {cells[1]} |")
+        if widest:
+            print(f"\nwidest half-width {widest:.1f}: about {samples_for(widest, len(shared), args.target)} samples "
+                  f"for every interval within +-{args.target:g}")
     return 0
+
+
+def samples_for(half_width: float, samples: int, target: float) -> int:
+    """Samples at which a half-width of ``half_width`` on ``samples`` would shrink to ``target``."""
+    return math.ceil(samples * (half_width / target) ** 2)
 
 
 if __name__ == "__main__":

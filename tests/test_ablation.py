@@ -447,3 +447,52 @@ def test_a_grown_ablation_is_its_ablations_runs_on_more_samples(grown, ablation)
                 tasks = len(mine.cfg.benchmark.tasks)
                 more, fewer = ([n] * tasks if isinstance(n, int) else n for n in (more, fewer))
                 assert all(m >= f for m, f in zip(more, fewer)) and more != fewer
+
+
+def test_interim_ablation_pairs_the_first_samples_every_run_holds(tmp_path, capsys):
+    """scripts/interim_ablation.py on three partial runs of one RULER group (attention, the paper reading, alpha
+    0.5): per stratum only the first samples every run answered count (a hole in one run ends its stratum's
+    prefix there), the paired difference is the mean over strata of the per-stratum mean differences on those
+    samples, and the projected count follows the widest half-width as one over the square root of the samples."""
+    import importlib.util
+    import math
+    import re
+    import numpy as np
+    spec = importlib.util.spec_from_file_location(
+        "interim_ablation", Path(__file__).parents[1] / "scripts" / "interim_ablation.py")
+    interim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(interim)
+    rng = np.random.default_rng(4)
+    strata = ("niah_single_2_4096", "niah_single_2_8192")
+    held = {("selection=attention",): {strata[0]: range(40), strata[1]: range(40)},
+            ("selection=perturbation",): {strata[0]: [*range(12), *range(13, 30)], strata[1]: range(40)},
+            ("selection=perturbation", "selection.alpha=0.5"): {strata[0]: range(40), strata[1]: range(25)}}
+    scores = {}
+    for knobs, rows in held.items():
+        cfg = compose(["benchmark=ruler", "method=snapkv", "budget=0.25", *knobs])
+        folder = tmp_path / RunIdentity(cfg).folder
+        folder.mkdir(parents=True)
+        (folder / "config.yaml").write_text(RunIdentity(cfg).saved_config)
+        lines = []
+        for stratum, indices in rows.items():
+            for i in indices:
+                score = float(rng.integers(0, 2) * 100)
+                scores[knobs, f"{stratum}_{i}"] = score
+                lines.append({"id": f"{stratum}_{i}", "stratum": stratum, "task": "niah_single_2",
+                              "length": int(stratum[-4:]), "score": score})
+        rng.shuffle(lines)                       # answers land out of order in a pool
+        (folder / "predictions.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert interim.main([str(folder.parent), "--resamples", "500"]) == 0
+    out = capsys.readouterr().out
+    shared = {strata[0]: range(12), strata[1]: range(25)}         # sample 12 of 4K is the paper reading's hole
+    assert "37 samples shared by 3 runs" in out
+    attention, paper = ("selection=attention",), ("selection=perturbation",)
+    delta = np.mean([np.mean([scores[paper, f"{s}_{i}"] - scores[attention, f"{s}_{i}"] for i in shared[s]])
+                     for s in strata])
+    (row,) = [line for line in out.splitlines() if line.startswith("| paper | perturbation |")]
+    assert row.split("|")[4].strip().startswith(f"{delta:+.1f} [")
+    found = re.search(r"widest half-width ([\d.]+): about (\d+) samples", out)
+    assert found, out
+    half, projected = found.groups()
+    half = float(half)                                        # printed to 0.1
+    assert math.ceil(37 * ((half - 0.05) / 3) ** 2) <= int(projected) <= math.ceil(37 * ((half + 0.05) / 3) ** 2)
