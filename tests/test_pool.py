@@ -405,8 +405,10 @@ def test_a_settled_answer_ends_early_as_a_prefix_of_its_whole_answer(size):
 def test_cpu_attention_split_by_slot_keeps_every_bit(arch, monkeypatch):
     """On CPU a step's attention reads each run of slots' own whole key blocks (``read_spans``): a full cache of
     ~1,000 entries among compressed ones of 40. Every row's logits at every step are the bits of one call over
-    every slot's keys, which is what keeps answers independent of the rest of the pool. Heads of Gemma 3's
-    size (256): at the tiny models' 8 a split inside a block keeps the bits too, and the test could not fail."""
+    every slot's keys, which on one thread is what keeps answers independent of the rest of the pool (on more
+    threads CPU attention's bits depend on the batch at some head shapes, split or not: pcs/engine/pool.py). Heads
+    of Gemma 3's size (256): at the tiny models' 8 a split inside a block keeps the bits too, and the test could
+    not fail."""
     import pcs.engine.pool as pool_module
     from transformers import AutoModelForCausalLM
     from pcs.models import prepare
@@ -551,3 +553,21 @@ def test_query_rings_out_of_memory_while_growing_stay_as_they_were(monkeypatch):
     assert all(torch.equal(rings.newest(i, slot, 3), q) for (i, slot), q in before.items())
     rings.reserve(4, 5)                                  # and grows once memory allows
     assert all(torch.equal(rings.newest(i, slot, 3), q) for (i, slot), q in before.items())
+
+
+@pytest.mark.parametrize("slots, window", [(4, 3), (2, 6), (4, 6)])
+def test_query_rings_growth_counts_its_peak(slots, window):
+    """``bytes_for``, what admission counts for the rings, covers the most ``reserve`` holds at once beyond the old
+    rings (every new ring before any old one goes, and a widening window's rolled copy), from the profiler's record
+    of every allocation, and is not more than that peak."""
+    from test_selection import peak_allocated_bytes
+    from pcs.engine.rings import QueryRings
+    rings = QueryRings([0, 1, 2], 2, 4, torch.float32, "cpu")
+    rings.reserve(2, 3)
+    for _ in range(2):
+        for i in rings.layers:
+            rings.record(i, torch.randn(2, 2, 1, 4))
+        rings.stepped()
+    counted = rings.bytes_for(slots, window)
+    peak = peak_allocated_bytes(lambda: rings.reserve(slots, window))
+    assert peak <= counted <= peak + 64

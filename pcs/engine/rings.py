@@ -46,11 +46,13 @@ class QueryRings:
         self.slots, self.window = slots, window
 
     def bytes_for(self, slots: int, window: int) -> int:
-        """Bytes ``reserve(slots, window)`` would allocate (0: nothing grows)."""
+        """Bytes ``reserve(slots, window)`` would allocate at its peak (0: nothing grows): every new ring, while the
+        old ones are still held, and a widening window's rolled copy of one old ring."""
         slots, window = max(slots, self.slots), max(window, self.window)
         if (slots, window) == (self.slots, self.window):
             return 0
-        return len(self.layers) * slots * self.n_q_heads * window * self.head_dim * \
+        rolled = self.slots * self.window if window != self.window else 0
+        return (len(self.layers) * slots * window + rolled) * self.n_q_heads * self.head_dim * \
             torch.empty(0, dtype=self.dtype).element_size()
 
     def columns(self, n: int) -> torch.Tensor:
