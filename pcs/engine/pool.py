@@ -31,8 +31,8 @@ GROWTH = 256   # entries added beyond what a growing layer needs (it grows by at
 # its first whole blocks gets the bits it gets reading all L (the blocks past its entries are masked whole, and
 # add exact zeros), so on one thread splitting a step's attention by slot changes no answer (tests/test_pool.py
 # checks it). On more threads the kernel's bits already depend on the batch at some head shapes (1 or 3 query
-# heads per KV head: a row differs by ~1e-6 between a call of 7 slots and one of 3), split or not; there pooled
-# answers are batch 1's up to near-ties, and a run's answers are reproducible at a fixed thread count.
+# heads per KV head: outputs differ in their last bits between a call of 7 slots and one of 3), split or not;
+# there pooled answers are batch 1's up to near-ties, and a run's answers are reproducible at a fixed thread count.
 CPU_KEY_BLOCK = 512
 
 
