@@ -286,20 +286,29 @@ def test_each_reading_is_compared_with_the_runs_it_differs_from_in_one_respect(t
     assert per_length.to_dict() == average.set_index(["selection", "conventions", "against"])["delta"].to_dict()
 
 
-def test_the_report_has_a_knob_section_and_figure(tmp_path):
+def test_the_report_has_a_knob_section_and_a_figure_per_table(tmp_path):
     from pcs.report.__main__ import main
     root = tmp_path / "results"
     for reading in SCORES:
         write_ruler_run(root, reading)
+    for reading in ("attention", "paper", "epsilon"):     # a second ablation: the question after compression
+        write_ruler_run(root, reading, extra=["benchmark.query_aware=false"])
     assert main(["--results", str(root), "--out", str(tmp_path / "report"), "--resamples", "200"]) == 0
     report = (tmp_path / "report" / "report.md").read_text()
-    assert "## Selection knobs" in report and "![selection knobs](ablation.png)" in report
+    assert "## Selection knobs" in report
+    figures = sorted((tmp_path / "report" / "ablation").glob("*.png"))
+    assert len(figures) == 2
+    # each table is followed by its own figure, before the next table
+    tables = [report.index(line) for line in report.splitlines() if line.startswith("### smollm2, ruler")]
+    links = [report.index(f"![selection knobs {f.stem}](ablation/{f.name})") for f in figures]
+    assert len(tables) == 2 and sorted(tables + links) == [tables[0], min(links), tables[1], max(links)]
+    assert "query_aware=False" in figures[0].name + figures[1].name
     assert "| snapkv | 256 | paper | perturbation_alpha=0.5 | 41.0 | 40 | -4.0* [-4.0, -4.0] | +6.0* [+6.0, +6.0] | - | - |" \
         in report
     assert ("| snapkv | 256 | paper | perturbation_alpha=0.5_epsilon=0.0001 | 65.0 | 40 | +20.0* [+20.0, +20.0] | "
             "+30.0* [+30.0, +30.0] | - | without alpha: -10.0* [-10.0, -10.0]; without epsilon: +24.0* [+24.0, +24.0] |"
             ) in report
-    assert (tmp_path / "report" / "ablation.png").stat().st_size > 10_000
+    assert figures[0].stat().st_size > 10_000
 
 
 def test_only_a_benchmark_scored_per_length_gets_per_length_domains():

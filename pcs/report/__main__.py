@@ -20,13 +20,13 @@ from pathlib import Path
 
 from ..identity import RunIdentity
 from ..run_folder import saved_config
-from ..plots.ablation import ablation_plot
+from ..plots.ablation import ablation_figure
 from ..plots.labels import setting_knobs
 from ..plots.needle import needle_comparison, needle_heatmap
 from ..plots.needle_heads import needle_heads_figure
 from ..plots.ruler import ruler_figure
 from ..plots.savings import savings_plot
-from .ablation import knob_effects, markdown as ablation_markdown
+from .ablation import blocks as ablation_blocks, knob_effects, markdown as ablation_markdown
 from .collect import collect, paper_tables, run_folders
 from . import needle_heads
 from .ruler import length_deltas, plain, score_intervals
@@ -148,12 +148,18 @@ def significance_section(results: Path, out: Path, resamples: int, seed: int):
 
 
 def ablation_section(results: Path, out: Path, resamples: int, seed: int) -> list[str]:
-    """``ablation.csv``, its tables and figure: every reading of a knob ablation against its baselines."""
+    """``ablation.csv``, a table and a figure per ablation: every reading of a knob ablation against its baselines."""
     effects = knob_effects(run_folders(results), resamples, seed)
     if effects.empty:
         return []
     effects.to_csv(out / "ablation.csv", index=False)
-    figure = ablation_plot(effects, out / "ablation.png")
+    lines = []
+    for (model, benchmark, setting), block in ablation_blocks(effects):
+        lines += ablation_markdown(block)
+        name = "_".join(filter(None, [model, benchmark, setting]))
+        figure = ablation_figure(block, out / "ablation" / f"{name}.png", f"Selection knobs: {model}, {benchmark}")
+        if figure is not None:
+            lines += [f"![selection knobs {name}](ablation/{figure.name})", ""]
     return (["## Selection knobs", "",
              "Each reading of the perturbation selection (its conventions, paper's unless named, and its changed "
              "knobs) on the mean over tasks, against attention-only selection under the same conventions (w/o), "
@@ -161,8 +167,7 @@ def ablation_section(results: Path, out: Path, resamples: int, seed: int) -> lis
              "each reading one knob apart (that knob at its default, `without`, or at the value named): "
              f"delta [95 % paired bootstrap interval] ({resamples} resamples, seed {seed}); * excludes zero (each "
              "interval on its own, not corrected for the number of comparisons). "
-             "Per length: `ablation.csv`.", ""]
-            + ablation_markdown(effects) + ([f"![selection knobs]({figure.name})", ""] if figure else []))
+             "Per length: `ablation.csv`; one figure per table (`ablation/`).", ""] + lines)
 
 
 def savings_section(df, out: Path, with_intervals: bool, resamples: int, seed: int) -> list[str]:

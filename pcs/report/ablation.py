@@ -175,11 +175,15 @@ def n_text(rows: pd.DataFrame) -> str:
     return str(int(counts.iloc[0])) if len(counts) else "-"
 
 
+def blocks(effects: pd.DataFrame, domain: str = "average"):
+    """``((model, benchmark, setting), rows)`` per ablation on ``domain``: the unit of one table and one figure."""
+    return effects[effects["domain"] == domain].groupby(["model", "benchmark", "setting"], sort=True)
+
+
 def markdown(effects: pd.DataFrame, domain: str = "average") -> list[str]:
     """One table per (model, benchmark, setting): each reading's score and its differences on ``domain``."""
     lines = []
-    mine = effects[effects["domain"] == domain]
-    for (model, benchmark, setting), block in mine.groupby(["model", "benchmark", "setting"], sort=True):
+    for (model, benchmark, setting), block in blocks(effects, domain):
         lines += [f"### {model}, {benchmark}{', ' + setting if setting else ''}", "",
                   "| method | budget | conventions | selection | score | n | vs w/o | vs paper knobs | "
                   "vs paper conventions | vs one knob apart |", "|---|---:|---|---|---:|---:|---|---|---|---|"]
