@@ -23,36 +23,54 @@ from pcs.models import weights_location
 from pcs.run_folder import load_config
 
 
+def decoded_in_full(run: Path) -> bool:
+    """Whether the run's answers were decoded without the knob. A finished run records how its job decoded
+    (metrics.json's ``engine``; runs from before the knob record none or no ``stop_when_scored``); the run's
+    config does not (the engine is not part of a run's identity), so an unfinished run is skipped. A grown run
+    counts as its finishing job says (answers it took from another run were decoded as that run's were)."""
+    metrics = run / "metrics.json"
+    if not metrics.exists():
+        print(f"skipped (unfinished: how its answers were decoded is recorded when it finishes): {run}")
+        return False
+    if (json.loads(metrics.read_text()).get("engine") or {}).get("stop_when_scored"):
+        print(f"skipped (already stopped when scored): {run}")
+        return False
+    return True
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", type=Path, nargs="+")
     args = parser.parse_args(argv)
-    tokenizers, answers, early, wrong, decoded, needed = {}, 0, 0, [], 0, 0
+    tokenizers, wrong = {}, []
+    tally = {}          # model -> [answers, would stop early, tokens decoded, tokens the knob would have decoded]
     for run in args.runs:
-        cfg = load_config(run)
-        if cfg.get("engine", {}).get("stop_when_scored"):
-            print(f"skipped (already stopped when scored): {run}")
+        if not decoded_in_full(run):
             continue
+        cfg = load_config(run)
         benchmark = build_benchmark(cfg)
         name = cfg.model.name
         if name not in tokenizers:
             tokenizers[name] = AutoTokenizer.from_pretrained(weights_location(cfg.model))
         tokenizer = tokenizers[name]
+        counts = tally.setdefault(name, [0, 0, 0, 0])
         for line in (run / "predictions.jsonl").read_text().splitlines():
             row = json.loads(line)
             settled = benchmark.settled(Sample(id=row["id"], prompt="", max_new_tokens=0, meta=row))
             ids = tokenizer.encode(row["prediction"], add_special_tokens=False)
             stop = next((t for t in range(SETTLE_EVERY, len(ids) + 1, SETTLE_EVERY)
                          if settled(tokenizer.decode(ids[:t], skip_special_tokens=True))), None)
-            answers += 1
-            decoded += row["new_tokens"]
-            needed += row["new_tokens"] if stop is None else min(stop, row["new_tokens"])
-            if stop is not None and stop < row["new_tokens"]:
-                early += 1
-                if row["score"] != 100.0:
-                    wrong.append(f"{run.name} {row['id']}: settled after {stop} tokens, scored {row['score']} whole")
-    print(f"{answers} answers; {early} would stop early; {len(wrong)} of those score below 100 whole; "
-          f"tokens {needed} of {decoded} ({needed / max(decoded, 1):.0%})")
+            early = stop is not None and stop < row["new_tokens"]
+            counts[0] += 1
+            counts[1] += early
+            counts[2] += row["new_tokens"]
+            counts[3] += row["new_tokens"] if stop is None else min(stop, row["new_tokens"])
+            if early and row["score"] != 100.0:
+                wrong.append(f"{run.name} {row['id']}: settled after {stop} tokens, scored {row['score']} whole")
+    for name, (answers, early, decoded, needed) in sorted(tally.items()):
+        print(f"{name}: {answers} answers; {early} would stop early; tokens {needed} of {decoded} "
+              f"({needed / max(decoded, 1):.0%})")
+    print(f"{len(wrong)} answers that would stop early score below 100 whole")
     for line in wrong:
         print("  " + line)
     return 1 if wrong else 0
