@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from pcs.benchmarks.base import Sample, build_benchmark
 from pcs.engine.decode import SETTLE_EVERY
 from pcs.models import weights_location
-from pcs.run_folder import load_config
+from pcs.run_folder import is_finished, load_config
 
 
 def decoded_in_full(run: Path) -> bool:
@@ -28,11 +28,10 @@ def decoded_in_full(run: Path) -> bool:
     (metrics.json's ``engine``; runs from before the knob record none or no ``stop_when_scored``); the run's
     config does not (the engine is not part of a run's identity), so an unfinished run is skipped. A grown run
     counts as its finishing job says (answers it took from another run were decoded as that run's were)."""
-    metrics = run / "metrics.json"
-    if not metrics.exists():
+    if not is_finished(run):
         print(f"skipped (unfinished: how its answers were decoded is recorded when it finishes): {run}")
         return False
-    if (json.loads(metrics.read_text()).get("engine") or {}).get("stop_when_scored"):
+    if (json.loads((run / "metrics.json").read_text()).get("engine") or {}).get("stop_when_scored"):
         print(f"skipped (already stopped when scored): {run}")
         return False
     return True
