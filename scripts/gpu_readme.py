@@ -17,9 +17,12 @@ from pcs.paths import read_jsonl          # noqa: E402
 README = Path(__file__).resolve().parents[1] / "results" / "bench" / "README.md"
 
 
-def section(path: Path, device: str, report: str) -> str:
+HOW = "`bash scripts/gpu_check.sh`"
+
+
+def section(path: Path, device: str, report: str, how: str = HOW) -> str:
     return (f"<!-- gpu {device} -->\n## {path.name}: Llama-3.1-8B shapes on {device.replace('_', ' ')}\n\n"
-            "Written by `bash scripts/gpu_check.sh` (random bfloat16 weights, 32 layers; medians over each row's "
+            f"Written by {how} (random bfloat16 weights, 32 layers; medians over each row's "
             f"`repeats` rounds).\n\n{report}\n<!-- /gpu {device} -->")
 
 
@@ -27,6 +30,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path, help="a gpu_<device>.jsonl written by scripts/gpu_check.sh")
     parser.add_argument("--readme", type=Path, default=README)
+    parser.add_argument("--how", default=HOW, help="the command that wrote the rows, for the section's first line")
     args = parser.parse_args(argv)
     rows = read_jsonl(args.results)
     if not rows:
@@ -36,7 +40,7 @@ def main(argv=None) -> int:
                             capture_output=True, text=True).stdout
     begin, end = f"<!-- gpu {device} -->", f"<!-- /gpu {device} -->"
     text = args.readme.read_text()
-    new = section(args.results, device, report)
+    new = section(args.results, device, report, args.how)
     text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: new, text, flags=re.S) if begin in text \
         else text.rstrip("\n") + "\n\n" + new + "\n"
     args.readme.write_text(text)

@@ -74,7 +74,8 @@ def cancel_leftovers(tmp_path):
     """Whatever a test leaves queued on the cluster (a requeued task not run yet) is cancelled after it."""
     yield
     for folder in tmp_path.glob("*/multirun/.submitit/*"):
-        subprocess.run(["scancel", folder.name.split("_")[0]], capture_output=True)
+        if folder.is_dir() and folder.name.split("_")[0].isdigit():
+            subprocess.run(["scancel", folder.name.split("_")[0]], capture_output=True)
 
 
 def running_job(results, timeout: float = 300) -> tuple[str, int]:
@@ -166,9 +167,12 @@ LONG = ["budget=64", "benchmark.context_lengths=[600,900,1200]", "benchmark.dept
 
 
 def submitted_job(results, timeout: float = 120) -> str:
+    """The SLURM id of the sweep's job: the name of its folder under .submitit/. submitit first writes each job's
+    pickle there as ``<uuid hex>.pkl``, a name that often starts with a digit too, so only all-digit folder names
+    count."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        jobs = [p.name for p in Path(results).glob("multirun/.submitit/*") if p.name[0].isdigit()]
+        jobs = [p.name for p in Path(results).glob("multirun/.submitit/*") if p.is_dir() and p.name.isdigit()]
         if jobs:
             return jobs[0]
         time.sleep(0.2)
