@@ -39,9 +39,10 @@ def recording(bounded):
     """``Stage2.bounded``, first recording each head's depth under both bounds."""
     def wrapper(self, work):
         exact = self.exhaustive()
-        every = torch.arange(self.m)
-        grams = [self.gram_bounds(r, every) for r in range(self.rows)]
-        gram = torch.stack([upper for upper, _ in grams]).masked_fill(self.excluded, -float("inf"))
+        every = torch.arange(self.m).expand(self.rows, self.m)
+        gram, norms = self.gram_bounds(every)
+        gram = gram.masked_fill(self.excluded, -float("inf"))
+        lowers = self.lower_bounds(every, norms)
         spectral = self.spectral_bounds()
         upper = torch.minimum(spectral, gram)
         for r, k in enumerate(self.counts):
@@ -51,7 +52,7 @@ def recording(bounded):
                 top = exact[r].topk(k).indices
                 inside = torch.zeros(self.m, dtype=torch.bool).index_fill_(0, top, True)
                 outside = ~inside & ~self.excluded[r]
-                lower = self.lower_bounds(r, every, grams[r][1])
+                lower = lowers[r]
                 reaching = int((outside & (upper[r] >= kth)).sum())
                 band = int((inside & (lower <= next_)).sum()) + reaching
                 records.append((k, [int((bound[r] >= kth).sum()) for bound in (spectral, gram)], band, reaching))

@@ -13,7 +13,7 @@ from pcs.eviction.adakv import AdaKV
 from pcs.eviction.base import LayerState
 from pcs.eviction.snapkv import SnapKV
 from pcs.eviction.conventions import Conventions
-from pcs.eviction.scores import SharedScores, group_weights, norm_tile, projected_value_norms, \
+from pcs.eviction.scores import SharedScores, group_weights, norm_plan, projected_value_norms, \
     top_eigenvalue_bound
 from pcs.eviction.selection import AttentionSelection, PerturbationSelection, Stage2, WindowScores
 
@@ -124,18 +124,21 @@ def test_value_norms_equal_brute_force_whatever_the_tile():
     _, _, _, N = brute_force_scores(layer.keys, layer.values, layer.window_queries, layer.o_proj_weight, 8, 1, "max")
     group = layer.window_queries.shape[0] // n_kv
     for tile in (1, 5, 37, 64):
-        norms = torch.cat([projected_value_norms(layer.values[g], group_weights(
-            layer.o_proj_weight, slice(g * group, (g + 1) * group), d), group, tile) for g in range(n_kv)])
+        norms = projected_value_norms(layer.values, group_weights(layer.o_proj_weight, n_kv, d), group,
+                                      tile).flatten(0, 1)
         torch.testing.assert_close(norms[:, :29].double(), N, rtol=1e-5, atol=1e-4)
 
 
 def test_an_entrys_norm_does_not_depend_on_the_rows_scored_with_it():
-    """Bounded and exhaustive stage 2 score different sets of rows; each row's norm must be the same bits."""
+    """Bounded and exhaustive stage 2 score different sets of entries, one KV head at a time (CPU) or all at once
+    (accelerators); each entry's norm must be the same bits."""
     layer = random_layer(9, n=300, d=16, hidden=96)
-    weights = group_weights(layer.o_proj_weight, slice(0, 3), 16)
-    every = projected_value_norms(layer.values[0], weights, 3, 32)
+    n_kv = layer.values.shape[0]
+    weights = group_weights(layer.o_proj_weight, n_kv, 16)
+    every = projected_value_norms(layer.values[:1], weights[:1], 3, 32)
     some = torch.tensor([299, 3, 150, 151, 7, 64])
-    assert torch.equal(projected_value_norms(layer.values[0][some], weights, 3, 32), every[:, some])
+    assert torch.equal(projected_value_norms(layer.values[:1, some], weights[:1], 3, 32), every[..., some])
+    assert torch.equal(projected_value_norms(layer.values, weights, 3, 32)[:1], every)
 
 
 def test_top_eigenvalue_bound_is_above_the_eigensolvers_and_close_to_it():
@@ -195,9 +198,9 @@ def test_the_bounds_hold_every_computed_score(dtype, gqa):
     exact = stage2.exhaustive()
     spectral = stage2.spectral_bounds()
     assert (spectral >= exact).all()
-    every = torch.arange(m)
-    gram = torch.stack([stage2.gram_bounds(r, every)[0] for r in range(n_kv)])
-    lower = torch.stack([stage2.lower_bounds(r, every, stage2.gram_bounds(r, every)[1]) for r in range(n_kv)])
+    every = torch.arange(m).expand(n_kv, m)
+    gram, norms = stage2.gram_bounds(every)
+    lower = stage2.lower_bounds(every, norms)
     assert (gram >= exact).all() and (lower <= exact).all()
     assert (gram <= spectral * 1.01).all()    # the d^2 bound is the tighter, up to the eigenvalue bound's rounding
     # The lower bound is not vacuous: ||y||_1 >= ||y||_2 leaves a sqrt(hidden) gap, plus the rounding room, which
@@ -215,7 +218,8 @@ def test_the_sign_lower_bound_comes_close_to_the_norm_when_values_share_a_direct
     ws = WindowScores(mean, pooled, stage1, values, torch.randn(hidden, n_kv * group * d, generator=g))
     stage2 = Stage2(PerturbationSelection(), ws, torch.zeros(n_kv, m, dtype=torch.bool), [100])
     exact = stage2.exhaustive()[0]
-    lower = stage2.lower_bounds(0, torch.arange(m), stage2.gram_bounds(0, torch.arange(m))[1])
+    every = torch.arange(m)[None]
+    lower = stage2.lower_bounds(every, stage2.gram_bounds(every)[1])[0]
     assert (lower <= exact).all()
     assert (lower / exact).median() > 0.9 and (lower / exact).min() > 1 / math.sqrt(hidden)
 
@@ -311,9 +315,9 @@ def test_value_norms_need_no_more_memory_than_one_layers_keys_and_values():
     ws = WindowScores(mean, mean, mean.view(n_kv, group, m).mean(1), values, weight)
     budgets = [96] * n_kv
     selection = PerturbationSelection()
-    weights = group_weights(weight, slice(0, group), d)
-    tile = norm_tile(n_kv, m, d, group, hidden, values.dtype)
-    for compute in (lambda: projected_value_norms(values[0], weights, group, tile),
+    weights = group_weights(weight, n_kv, d)
+    tile = norm_plan(n_kv, m, d, group, hidden, values.dtype, values.device).tile
+    for compute in (lambda: projected_value_norms(values[:1], weights[:1], group, tile),
                     lambda: SharedScores(values, weight).value_norms(group),
                     lambda: selection.select(budgets, ws),
                     lambda: selection.select(budgets, ws, exhaustive=True)):
@@ -344,11 +348,22 @@ def long_layer(seed, n=700, pad=None, sharpness=2.0):
                       torch.randn(hidden, h_q * d, generator=g), pad)
 
 
+@pytest.fixture(params=["one row", "every row"])
+def rows_together(request, monkeypatch):
+    """Exact norms computed one row at a time (a CPU's way) or all rows in one batched product, padded to the row
+    that asks for most (an accelerator's), here on the CPU."""
+    if request.param == "every row":
+        import pcs.eviction.scores as scores_module
+        monkeypatch.setattr(scores_module, "batches_rows", lambda device: True)
+    return request.param
+
+
 @pytest.mark.parametrize("profile", PROFILES)
 @pytest.mark.parametrize("gqa", ["pool_then_mean", "mean_then_pool", "per_query_head"])
-def test_every_method_profile_and_gqa_mode_keeps_what_exhaustive_stage2_keeps(profile, gqa):
+def test_every_method_profile_and_gqa_mode_keeps_what_exhaustive_stage2_keeps(profile, gqa, rows_together):
     """Whole methods (allocation, stage 1, stage 2) on full prompts and on heads padded at the front as decoding-time
-    recompression gives them: the bounded stage 2 keeps exactly the exhaustive one's entries."""
+    recompression gives them: the bounded stage 2 keeps exactly the exhaustive one's entries, whether the rows'
+    exact norms are computed one at a time or together."""
     # The sharper the attention, the fewer entries the bounds leave after the first round.
     layers = [long_layer(1), long_layer(2, pad=torch.tensor([0, 137])), long_layer(5, sharpness=6.0)]
     # As a group of runs sharing a prefill sees them: one SharedScores per layer for every method (padded heads,
@@ -372,8 +387,8 @@ def test_every_method_profile_and_gqa_mode_keeps_what_exhaustive_stage2_keeps(pr
 
 class HostReads(TorchDispatchMode):
     """Counts what makes the host wait for a device's values: scalar reads (item, int, bool), nonzero, masked_select,
-    boolean indexing, bincount (CUDA's reads its input's min and max), and ``tolist`` (which does not dispatch, so
-    it is counted by a wrapper). On a CPU nothing waits, but the same calls are the ones that synchronise with a
+    boolean indexing, bincount (CUDA's reads its input's min and max), an indexed assignment of a Python scalar
+    (its value is copied from the host), and ``tolist`` (which does not dispatch, so it is counted by a wrapper). On a CPU nothing waits, but the same calls are the ones that synchronise with a
     GPU."""
     WAITING = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
                torch.ops.aten.masked_select.default, torch.ops.aten.bincount.default}
@@ -395,7 +410,9 @@ class HostReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         boolean_index = func is torch.ops.aten.index.Tensor and any(
             i is not None and i.dtype == torch.bool for i in args[1])
-        self.count += func in self.WAITING or boolean_index
+        # ``x[idx] = True``: the value is a host scalar that CUDA copies over and waits for, once per assignment
+        scalar_put = func in (torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default) and args[2].dim() == 0
+        self.count += func in self.WAITING or boolean_index or scalar_put
         return func(*args, **(kwargs or {}))
 
 

@@ -62,7 +62,8 @@ def largest_remainder(shares: torch.Tensor, total: int) -> torch.Tensor:
     missing = int(total - base.sum())
     if missing > 0:
         order = (shares - base).argsort(descending=True, stable=True)
-        base[order[:missing]] += 1
+        # not ``base[order[:missing]] += 1``: its 1 would be copied from the host, a wait on a GPU
+        base.index_add_(0, order[:missing], torch.ones_like(order[:missing]))
     return base
 
 

@@ -39,9 +39,8 @@ def value_output_norms(values: torch.Tensor, o_proj_weight: torch.Tensor) -> tor
     matrices of ``output_projection``: d^2 multiply-adds per token and head instead of d x hidden."""
     n_kv_heads, n, d = values.shape
     grams = output_projection(o_proj_weight, d).grams                          # (H_q, d, d)
-    group = grams.shape[0] // n_kv_heads
-    return torch.cat([quadratic_forms(values[g], grams[g * group:(g + 1) * group], values.nbytes // 2)
-                      for g in range(n_kv_heads)]).clamp_min(0).sqrt()
+    grams = grams.view(n_kv_heads, -1, d, d)                                   # (H_kv, group, d, d)
+    return quadratic_forms(values, grams, values.nbytes // 2).flatten(0, 1).clamp_min(0).sqrt()
 
 
 @dataclass

@@ -126,54 +126,86 @@ def output_projection(o_proj_weight: torch.Tensor, d: int) -> OutputProjection:
 
 
 def quadratic_forms(values: torch.Tensor, grams: torch.Tensor, budget_bytes: int) -> torch.Tensor:
-    """``v G_h v`` for (n, d) value rows and (group, d, d) matrices -> (group, n) float32: one product with the
-    matrices side by side per chunk of rows, each chunk's temporaries within ``budget_bytes``."""
-    group, d, _ = grams.shape
-    side_by_side = grams.permute(1, 0, 2).reshape(d, group * d)
-    chunk = rows_per_chunk(budget_bytes, 2 * group * d, torch.float32)
-    out = torch.empty(group, values.shape[0], dtype=torch.float32, device=values.device)
-    for start in range(0, values.shape[0], chunk):
-        v = values[start:start + chunk].float()
-        out[:, start:start + chunk] = ((v @ side_by_side).view(-1, group, d) * v[:, None, :]).sum(-1).T
+    """``v G_h v`` for (rows, n, d) value rows and each row's (rows, group, d, d) matrices -> (rows, group, n)
+    float32: one batched product with each row's matrices side by side per chunk of entries, each chunk's
+    temporaries within ``budget_bytes``."""
+    rows, group, d, _ = grams.shape
+    side_by_side = grams.permute(0, 2, 1, 3).reshape(rows, d, group * d)
+    chunk = rows_per_chunk(budget_bytes, rows * 2 * group * d, torch.float32)
+    out = torch.empty(rows, group, values.shape[1], dtype=torch.float32, device=values.device)
+    for start in range(0, values.shape[1], chunk):
+        v = values[:, start:start + chunk].float()
+        out[:, :, start:start + chunk] = (torch.bmm(v, side_by_side).view(rows, -1, group, d)
+                                          * v[:, :, None, :]).sum(-1).transpose(1, 2)
     return out
 
 
-def group_weights(o_proj_weight: torch.Tensor, heads: slice, d: int) -> torch.Tensor:
-    """(d, group * hidden): the slices ``W^O_h`` (d, hidden) of the query heads ``heads`` side by side, a view of
-    ``OutputProjection.by_input``, so that ``v @ group_weights(...)`` is every ``v W^O_h`` of the group in one
-    product."""
-    return output_projection(o_proj_weight, d).by_input[:, heads].flatten(1)
+def group_weights(o_proj_weight: torch.Tensor, rows: int, d: int) -> torch.Tensor:
+    """(rows, d, group * hidden): each row's query heads' slices ``W^O_h`` (d, hidden) side by side (rows of
+    ``group`` consecutive query heads), a view of ``OutputProjection.by_input``, so that a batched product
+    ``v @ group_weights(...)`` is every ``v W^O_h`` of every row's group at once."""
+    by_input = output_projection(o_proj_weight, d).by_input                          # (d, H_q, hidden)
+    return by_input.view(d, rows, -1).transpose(0, 1)
 
 
-def norm_tile(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.dtype) -> int:
-    """Rows per product of ``projected_value_norms`` for a layer of ``n`` entries, its values held as ``rows``
-    rows of (n, d): about n / 32 (a power of two, at least 32), and at most what keeps the (tile, group * hidden)
-    product and its float32 copy within half of those values' bytes, so the temporaries stay within one layer's
-    keys and values. It follows the layer's shape alone: every method that scores the layer (alone or sharing a
-    prefill, every entry or the bounded stage 2's few) computes an entry's norm in the same product, the same
-    bits."""
+# What the products' temporaries may take on an accelerator: a 32K-token prefill of an 8B model allocates more per
+# layer for its MLP alone, and a product covering each row's candidates at once saves a launch per tile.
+ACCELERATOR_PRODUCT_BYTES = 1 << 30
+
+
+def batches_rows(device: torch.device) -> bool:
+    """Whether a layer's rows go through one batched product: on an accelerator, where a launch costs more than
+    the padding it brings (the bounded stage 2's rows ask for unequal numbers of entries), not on a CPU, where
+    the multiply-adds are what costs."""
+    return device.type != "cpu"
+
+
+@dataclass(frozen=True)
+class NormPlan:
+    """How ``projected_value_norms`` goes through a layer: ``together`` rows per batched product, ``tile``
+    entries per product."""
+    together: int
+    tile: int
+
+
+def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.dtype,
+              device: torch.device) -> NormPlan:
+    """The plan for a layer of ``n`` entries, its values held as ``rows`` rows of (n, d): one row at a time on a
+    CPU, every row at once on an accelerator (``batches_rows``); about n / 32 entries per product (a power of
+    two, at least 32), at most what keeps the (together, tile, group * hidden) product and its float32 copy
+    within half of the layer's values' bytes (on a CPU, so the temporaries stay within one layer's keys and
+    values) or within ``ACCELERATOR_PRODUCT_BYTES`` (on an accelerator). It follows the layer's shape and device
+    alone: every method that scores the layer (alone or sharing a prefill, every entry or the bounded stage 2's
+    few) computes an entry's norm in the same product, the same bits."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    most = rows_per_chunk(rows * n * d * itemsize // 2, group * hidden, dtype)
-    return min(most, max(32, 1 << max(0, n // 32 - 1).bit_length()))
+    budget = rows * n * d * itemsize // 2
+    together = 1
+    if batches_rows(device):
+        together, budget = rows, max(budget, ACCELERATOR_PRODUCT_BYTES)
+    most = rows_per_chunk(budget, together * group * hidden, dtype)
+    return NormPlan(together, min(most, max(32, 1 << max(0, n // 32 - 1).bit_length())))
 
 
-def projected_value_norms(rows: torch.Tensor, weights: torch.Tensor, group: int, tile: int) -> torch.Tensor:
-    """``||v_i W^O_h||_1`` for the (r, d) value rows ``v_i`` of one KV head and its ``group`` query heads' slices
-    ``W^O_h`` side by side (``group_weights``, (d, group * hidden)) -> (group, r) float32.
+def projected_value_norms(values: torch.Tensor, weights: torch.Tensor, group: int, tile: int) -> torch.Tensor:
+    """``||v_i W^O_h||_1`` for (r, c, d) value rows ``v_i`` of r rows (KV heads, or query heads) and each row's
+    ``group`` query heads' slices ``W^O_h`` side by side (``group_weights``, (r, d, group * hidden))
+    -> (r, group, c) float32.
 
-    The rows go through the product ``tile`` at a time, the last tile padded with zeros: every row's norm
-    comes from the same (tile, d) x (d, group * hidden) product whichever other rows are scored with it, so an
-    entry's score does not depend on the set it is scored in (exhaustive or bounded stage 2), bit for bit.
+    The entries go through the product ``tile`` at a time, the last tile padded with zeros: every entry's norm
+    comes from the same (r, tile, d) x (r, d, group * hidden) product whichever other entries are scored with
+    it, so an entry's score does not depend on the set it is scored in (exhaustive or bounded stage 2), bit for
+    bit.
     """
-    r, d = rows.shape
-    n_tiles = -(-r // tile)
-    padded = rows.new_zeros(n_tiles * tile, d)
-    padded[:r] = rows
-    norms = torch.empty(n_tiles * tile, group, dtype=torch.float32, device=rows.device)
+    r, c, d = values.shape
+    n_tiles = -(-c // tile)
+    padded = values.new_zeros(r, n_tiles * tile, d)
+    padded[:, :c] = values
+    norms = torch.empty(r, n_tiles * tile, group, dtype=torch.float32, device=values.device)
     for start in range(0, n_tiles * tile, tile):
-        # One unnamed (tile, group * hidden) product at a time: a named one would live on beside the next.
-        norms[start:start + tile] = (padded[start:start + tile] @ weights).float().abs_().view(tile, group, -1).sum(-1)
-    return norms[:r].T
+        # One unnamed (r, tile, group * hidden) product at a time: a named one would live on beside the next.
+        norms[:, start:start + tile] = torch.bmm(padded[:, start:start + tile], weights).float().abs_() \
+            .view(r, tile, group, -1).sum(-1)
+    return norms[:, :c].transpose(1, 2)
 
 
 class SharedScores:
@@ -182,7 +214,7 @@ class SharedScores:
     ``||v_i W^O_h||_1`` for every entry (per number of query heads scored together: a KV head's group, or one
     under ``gqa=per_query_head``). A group of runs sharing a prefill gets one per layer (``pcs.compression``);
     a run alone has none, and its stage 2 computes only the norms its bounds cannot rule out. Both give the same
-    bits: the norms come from products of ``norm_tile``'s size, which follows the layer's shape alone."""
+    bits: the norms come from ``norm_plan``'s products, which follow the layer's shape and device alone."""
 
     def __init__(self, values: torch.Tensor, o_proj_weight: torch.Tensor):
         self.values, self.o_proj_weight = values, o_proj_weight     # (H_kv, n, d), (hidden, H_q * d)
@@ -200,11 +232,15 @@ class SharedScores:
         if group not in self._norms:
             n_kv, n, d = self.values.shape
             hidden, n_q = self.o_proj_weight.shape[0], self.o_proj_weight.shape[1] // d
-            rows, per_kv_head = n_q // group, n_q // n_kv
-            tile = norm_tile(rows, n, d, group, hidden, self.values.dtype)
+            rows = n_q // group
+            plan = norm_plan(rows, n, d, group, hidden, self.values.dtype, self.values.device)
+            together = plan.together
+            weights = group_weights(self.o_proj_weight, rows, d)
+
+            def values(r: int) -> torch.Tensor:      # rows r, r + 1, ...: the KV head each row's queries read
+                heads = torch.arange(r, min(r + together, rows), device=self.values.device) * n_kv // rows
+                return self.values[r:r + together] if rows == n_kv else self.values[heads]
             self._norms[group] = torch.cat([
-                projected_value_norms(self.values[r * group // per_kv_head],
-                                      group_weights(self.o_proj_weight, slice(r * group, (r + 1) * group), d),
-                                      group, tile)
-                for r in range(rows)])
+                projected_value_norms(values(r), weights[r:r + together], group, plan.tile)
+                for r in range(0, rows, together)]).flatten(0, 1)
         return self._norms[group]

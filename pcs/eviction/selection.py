@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .conventions import PAPER, Conventions
-from .scores import SharedScores, group_weights, norm_tile, output_projection, projected_value_norms, \
+from .scores import SharedScores, group_weights, norm_plan, output_projection, projected_value_norms, \
     quadratic_forms
 
 
@@ -152,7 +152,9 @@ def first_candidates(k: int) -> int:
 class Stage2:
     """Stage 2 of one layer: ``A x ||v W^O_h||_1`` per KV head, over the entries stage 1 left
     (``excluded``: stage 1's picks and padding, scored minus infinity), ``counts[r]`` entries for row r. One row
-    per KV head (per query head where query heads choose apart)."""
+    per KV head (per query head where query heads choose apart). Every step works on all rows at once, in a
+    few batched products whatever the number of heads: on a GPU a launch costs more than the products of the
+    few entries a bound leaves, so the per-row loops would set the pace."""
     MOST_READS = 4   # host reads per layer: the entries certified, rounds 1 and 2, and under torch.topk's tie rule
                      # a re-check of the cut
 
@@ -160,109 +162,136 @@ class Stage2:
         self.selection, self.ws, self.excluded, self.counts = selection, ws, excluded, counts
         self.rows, self.m = excluded.shape
         self.group = ws.mean_attention.shape[0] // self.rows    # query heads per row
-        d = ws.prefix_values.shape[-1]
+        self.d = ws.prefix_values.shape[-1]
         self.hidden = ws.o_proj_weight.shape[0]
+        self.device = excluded.device
         self.attention = selection.stage2_attention(ws).view(self.rows, self.group, self.m)
         # The same for the exhaustive and the bounded path, alone or shared: an entry's exact score is the same
         # bits in all.
-        self.tile = norm_tile(self.rows, self.m + ws.window, d, self.group, self.hidden, ws.prefix_values.dtype)
+        plan = norm_plan(self.rows, self.m + ws.window, self.d, self.group, self.hidden, ws.prefix_values.dtype,
+                         self.device)
+        self.together, self.tile = plan.together, plan.tile
         self.shared_norms = None if ws.shared is None else \
             ws.shared.value_norms(self.group)[:, :self.m].view(self.rows, self.group, self.m)
         self.slack = (1 + torch.finfo(ws.prefix_values.dtype).eps) * (1 + ROUNDING)
-        self._signs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.k = self.ints(counts)                                                        # (rows,)
+        self._signs: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def exact(self, r: int, idx: torch.Tensor | None = None) -> torch.Tensor:
-        """Row ``r``'s stage-2 scores of entries ``idx`` (all by default)."""
-        attention = self.attention[r] if idx is None else self.attention[r][:, idx]
+    def ints(self, values: list[int]) -> torch.Tensor:
+        """(len,) int64 on the layer's device with no wait: a non-blocking copy from pinned memory on CUDA."""
+        host = torch.tensor(values, dtype=torch.long)
+        return host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+
+    def below(self, sizes: list[int], width: int) -> torch.Tensor:
+        """(rows, width) True at each row's first ``sizes[r]`` positions."""
+        return torch.arange(width, device=self.device) < self.ints(sizes)[:, None]
+
+    def at(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """``x`` (rows, ..., m) at entries ``idx`` (rows, c) of each row -> (rows, ..., c)."""
+        if x.dim() == 2:
+            return x.gather(1, idx)
+        return x.gather(-1, idx.view(self.rows, *[1] * (x.dim() - 2), -1).expand(*x.shape[:-1], -1))
+
+    def values_at(self, idx: torch.Tensor) -> torch.Tensor:
+        """(rows, c, d) value vectors of entries ``idx`` (rows, c)."""
+        return self.ws.prefix_values.gather(1, idx[..., None].expand(-1, -1, self.d))
+
+    def exact(self, idx: torch.Tensor | None = None, sizes: list[int] | None = None) -> torch.Tensor:
+        """(rows, c) stage-2 scores of entries ``idx`` (rows, c) (every entry by default). With ``sizes``, only
+        each row's first ``sizes[r]`` are asked for: a batch of rows computes up to its largest, the rest of the
+        scores is to be discarded."""
+        attention = self.attention if idx is None else self.at(self.attention, idx)
         if self.shared_norms is not None:
-            norms = self.shared_norms[r] if idx is None else self.shared_norms[r][:, idx]
-        else:
-            values = self.ws.prefix_values[r] if idx is None else self.ws.prefix_values[r][idx]
-            weights = group_weights(self.ws.o_proj_weight, self.heads(r), values.shape[-1])  # (d, group * hidden)
-            norms = projected_value_norms(values, weights, self.group, self.tile)
+            norms = self.shared_norms if idx is None else self.at(self.shared_norms, idx)
+            return self.selection.combine(attention, norms)
+        values = self.ws.prefix_values if idx is None else self.values_at(idx)
+        weights = group_weights(self.ws.o_proj_weight, self.rows, self.d)               # (rows, d, group * hidden)
+        norms = torch.zeros(self.rows, self.group, values.shape[1], device=self.device)
+        for r in range(0, self.rows, self.together):
+            rows = slice(r, r + self.together)
+            n = values.shape[1] if sizes is None else max(sizes[rows])
+            if n:
+                norms[rows, :, :n] = projected_value_norms(values[rows, :n], weights[rows], self.group, self.tile)
         return self.selection.combine(attention, norms)
-
-    def heads(self, r: int) -> slice:
-        return slice(r * self.group, (r + 1) * self.group)
 
     def exhaustive(self) -> torch.Tensor:
         """(rows, m) every entry's score, minus infinity where excluded: the reference."""
-        return torch.stack([self.exact(r) for r in range(self.rows)]).masked_fill(self.excluded, float("-inf"))
+        return self.exact().masked_fill(self.excluded, float("-inf"))
 
     def spectral_bounds(self) -> torch.Tensor:
         """(rows, m) upper bounds of every entry's score: ``||y||_1 <= sqrt(hidden) ||y||_2`` for the ``hidden``
         entries of ``y = v W^O_h``, and ``||v W^O_h||_2^2 <= lambda_max(G_h) ||v||_2^2``: d multiply-adds per
         entry, shared by the group's query heads."""
-        projection = output_projection(self.ws.o_proj_weight, self.ws.prefix_values.shape[-1])
+        projection = output_projection(self.ws.o_proj_weight, self.d)
         squares = self.ws.prefix_values.float().square().sum(-1)                          # (rows, m)
         eigenvalues = projection.top_eigenvalues.view(self.rows, self.group, 1)
         norms = (self.hidden * eigenvalues * squares[:, None, :]).sqrt()                  # (rows, group, m)
         return (self.selection.combine(self.attention, norms) * self.slack).masked_fill(self.excluded, float("-inf"))
 
-    def sign_projections(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(group, J, d) vectors ``u = W^O_h s`` for sign vectors ``s`` (|s . y| <= ||y||_1 for any of them, so
-        ``|v . u|`` bounds ``||v W^O_h||_1`` from below in d multiply-adds), and (group, J) the room their float32
-        rounding needs per unit of ``||v||``. The signs are those of the outputs of row ``r``'s mean value and of
-        that mean one standard deviation either way along its values' first principal component (4 power
+    def sign_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, group, J, d) vectors ``u = W^O_h s`` for sign vectors ``s`` (|s . y| <= ||y||_1 for any of them,
+        so ``|v . u|`` bounds ``||v W^O_h||_1`` from below in d multiply-adds), and (rows, group, J) the room their
+        float32 rounding needs per unit of ``||v||``. The signs are those of the outputs of each row's mean value
+        and of that mean one standard deviation either way along its values' first principal component (4 power
         iterations on their covariance: no eigensolver, no wait for a GPU): value vectors share much of their
         direction, so an entry's output mostly has one of these sign patterns and the bound comes close to its
         norm."""
-        if r not in self._signs:
-            d = self.ws.prefix_values.shape[-1]
-            eps = torch.finfo(torch.float32).eps
+        if self._signs is None:
+            d, eps = self.d, torch.finfo(torch.float32).eps
             projection = output_projection(self.ws.o_proj_weight, d)
-            w = projection.by_input[:, self.heads(r)].float().transpose(0, 1)                # (group, d, hidden)
+            w = projection.by_input.float().view(d, self.rows, self.group, self.hidden).permute(1, 2, 0, 3)
             # The directions only choose which sign vectors to use (any gives a valid bound): the mean and the
             # (d, d) covariance of an evenly spaced sample of at most SIGN_SAMPLE values choose them as well.
-            values = self.ws.prefix_values[r][::max(1, -(-self.m // SIGN_SAMPLE))].float()
-            mean = values.mean(0)
-            centred = values - mean
-            covariance = centred.T @ centred / max(1, len(values) - 1)
-            component = torch.ones(d, device=values.device)
+            values = self.ws.prefix_values[:, ::max(1, -(-self.m // SIGN_SAMPLE))].float()    # (rows, s, d)
+            mean = values.mean(1)
+            centred = values - mean[:, None]
+            covariance = centred.transpose(1, 2) @ centred / max(1, values.shape[1] - 1)  # (rows, d, d)
+            component = torch.ones(self.rows, d, 1, device=self.device)
             for _ in range(4):
                 component = covariance @ component
-                component = component / component.norm().clamp_min(torch.finfo(torch.float32).tiny)
-            spread = (component @ covariance @ component).clamp_min(0).sqrt()
-            directions = torch.stack([mean, mean + spread * component, mean - spread * component])  # (J, d)
-            signs = torch.einsum("jd,gdo->gjo", directions, w).sign()                         # (group, J, hidden)
-            u = torch.einsum("gdo,gjo->gjd", w, signs)                                        # (group, J, d)
+                component = component / component.norm(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+            spread = (component.transpose(1, 2) @ covariance @ component).clamp_min(0).sqrt()[:, 0]   # (rows, 1)
+            component = component[..., 0]
+            directions = torch.stack([mean, mean + spread * component, mean - spread * component], 1)  # (rows, J, d)
+            signs = torch.einsum("rjd,rgdo->rgjo", directions, w).sign()                  # (rows, group, J, hidden)
+            u = torch.einsum("rgdo,rgjo->rgjd", w, signs)                                 # (rows, group, J, d)
             # |fl(v . u) - v . s W| <= ||v|| (||fl(u) - u|| + d eps ||u||), ||fl(u) - u|| <= hidden eps ||(|W| 1)||
-            room = (self.hidden * eps * projection.abs_row_norms[self.heads(r)])[:, None] + d * eps * u.norm(dim=-1)
-            self._signs[r] = u, 2 * room
-        return self._signs[r]
+            rounding = self.hidden * eps * projection.abs_row_norms.view(self.rows, self.group)
+            room = rounding[..., None] + d * eps * u.norm(dim=-1)
+            self._signs = u, 2 * room
+        return self._signs
 
-    def gram_bounds(self, r: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row ``r``'s entries ``idx``: (c,) upper bounds of their scores, and (group, c) lower bounds of their
-        norms, from ``||y||_2`` with ``||y||_2^2 = v G_h v`` (d^2 multiply-adds per entry and query head):
+    def gram_bounds(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries ``idx`` (rows, c): (rows, c) upper bounds of their scores, and (rows, group, c) lower bounds of
+        their norms, from ``||y||_2`` with ``||y||_2^2 = v G_h v`` (d^2 multiply-adds per entry and query head):
         ``sqrt(hidden) ||y||_2`` above, within ~25 % of ``||y||_1`` when y's entries are of similar size, and
         ``||y||_2`` below. Room is left for float32's rounding of each and of the exact scores."""
-        d = self.ws.prefix_values.shape[-1]
-        grams = output_projection(self.ws.o_proj_weight, d).grams[self.heads(r)]          # (group, d, d)
-        rounding = 2 * d * torch.finfo(torch.float32).eps * grams.flatten(1).norm(dim=-1)  # (group,)
-        values = self.ws.prefix_values[r][idx]                                            # (c, d)
-        quadratic = quadratic_forms(values, grams, self.ws.prefix_values.nbytes // 2)     # (group, c)
-        room = rounding[:, None] * values.float().square().sum(-1)
+        grams = output_projection(self.ws.o_proj_weight, self.d).grams.view(self.rows, self.group, self.d, self.d)
+        rounding = 2 * self.d * torch.finfo(torch.float32).eps * grams.flatten(2).norm(dim=-1)    # (rows, group)
+        values = self.values_at(idx)                                                      # (rows, c, d)
+        quadratic = quadratic_forms(values, grams, self.ws.prefix_values.nbytes // 2)     # (rows, group, c)
+        room = rounding[..., None] * values.float().square().sum(-1)[:, None, :]
         upper = ((quadratic + room).clamp_min(0) * self.hidden).sqrt()
-        return self.selection.combine(self.attention[r][:, idx], upper) * self.slack, (quadratic - room).clamp_min(0).sqrt()
+        attention = self.at(self.attention, idx)
+        return self.selection.combine(attention, upper) * self.slack, (quadratic - room).clamp_min(0).sqrt()
 
-    def lower_bounds(self, r: int, idx: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-        """(c,) lower bounds of row ``r``'s scores of entries ``idx``: per query head the larger of ``norms``
-        (``gram_bounds``' ``||y||_2``) and ``sign_projections``' ``|v . u|`` (J d multiply-adds per entry and
-        query head, less room for float32's rounding)."""
-        u, u_room = self.sign_projections(r)
-        values = self.ws.prefix_values[r][idx].float()                                    # (c, d)
-        dots = torch.einsum("cd,gjd->gjc", values, u).abs() - u_room[:, :, None] * values.norm(dim=-1)
-        norms = torch.maximum(norms, dots.amax(1).clamp_min(0))
-        return self.selection.combine(self.attention[r][:, idx], norms) / self.slack
+    def lower_bounds(self, idx: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+        """(rows, c) lower bounds of the scores of entries ``idx`` (rows, c): per query head the larger of
+        ``norms`` (``gram_bounds``' ``||y||_2``) and ``sign_projections``' ``|v . u|`` (J d multiply-adds per
+        entry and query head, less room for float32's rounding)."""
+        u, u_room = self.sign_projections()
+        values = self.values_at(idx).float()                                              # (rows, c, d)
+        dots = torch.einsum("rcd,rgjd->rgjc", values, u).abs() - u_room[..., None] * values.norm(dim=-1)[:, None, None]
+        norms = torch.maximum(norms, dots.amax(2).clamp_min(0))
+        return self.selection.combine(self.at(self.attention, idx), norms) / self.slack
 
     def bounded(self, work: Stage2Work) -> torch.Tensor:
         """(rows, m) scores that keep what ``exhaustive`` keeps: exact for every entry that can reach its row's
         top ``k``, minus infinity elsewhere. Per row, with k entries to choose:
 
-        0. Its best ``POOL x k`` entries by the d bound get the d^2 bound, and the k - 1 best of those by it a
-           lower bound. An entry whose lower bound beats the row's k-th best upper bound is kept without its exact
-           score: only the k - 1 entries above that could outscore it. One read for all rows: how many each has
-           so (c).
+        0. Its best ``POOL x k`` entries by the d bound (its pool) get the d^2 bound and a lower bound. An entry
+           whose lower bound beats the row's k-th best upper bound is kept without its exact score: only the
+           k - 1 entries above that could outscore it. One read for all rows: how many each has so (c).
         1. The best of the rest of the pool by the upper bound (``first_candidates`` of k - c, rounded up to
            whole products) get their exact scores. With the c kept, their (k - c)-th best, the cut, is at most the
            row's true k-th best score, so an entry whose bound falls below it cannot reach the top k. One read
@@ -272,93 +301,86 @@ class Stage2:
         3. Those are scored exactly.
         Every entry tied with the k-th best is scored, so the stable tie rule picks as over all entries; under
         torch.topk's rule, whose order among ties depends on every entry, a row with a tie at the cut is scored
-        exhaustively (a last read, when that rule applies and a row needed round 2)."""
-        inf = float("-inf")
-        scores = torch.full((self.rows, self.m), inf, device=self.excluded.device)
-        live = [r for r, k in enumerate(self.counts) if k > 0]
-        if not live:
-            return scores
-        pools = [min(self.m, max(POOL * k, k + 256)) for k in self.counts]
-        work.heads, work.entries, work.layers = work.heads + len(live), work.entries + self.m * len(live), work.layers + 1
+        exhaustively (a last read, when that rule applies and a row needed round 2).
 
-        # Round 0: the d^2 bounds where computed (each row's pool), the d bound elsewhere; the entries certified.
-        # Only an entry whose upper bound beats the row's k-th best can have a lower bound that does: the sign
-        # vectors' bounds are computed for the k - 1 best of the pool by the upper bound alone.
+        Rows ask for unequal numbers of entries: each step takes the largest for every row and masks the rest.
+        Scores meant for no entry go to a last column, dropped at the end."""
+        inf = float("-inf")
+        counts, m = self.counts, self.m
+        scores = torch.full((self.rows, m + 1), inf, device=self.device)
+        live = [k > 0 for k in counts]
+        if not any(live):
+            return scores[:, :m]
+        pools = [min(m, max(POOL * k, k + 256)) if k else 0 for k in counts]
+        work.heads, work.entries, work.layers = work.heads + sum(live), work.entries + m * sum(live), work.layers + 1
+
+        # Round 0: the d^2 bounds in each row's pool, the d bound elsewhere; the entries certified.
         spectral = self.spectral_bounds()                                                 # (rows, m)
-        bound, pool = spectral.topk(max(pools), dim=-1)
-        bound, lower = bound.clone(), torch.full_like(bound, inf)
-        norms = {}
-        for r in live:
-            upper, norms[r] = self.gram_bounds(r, pool[r, :pools[r]])
-            bound[r, :pools[r]] = torch.minimum(bound[r, :pools[r]], upper)
-            work.gram += pools[r]
-        kth_upper = self.cuts(spectral.scatter(1, pool, bound))                           # (rows, 1)
-        for r in live:
-            if self.counts[r] > 1:
-                best = bound[r, :pools[r]].topk(min(self.counts[r] - 1, pools[r])).indices
-                lower[r, best] = self.lower_bounds(r, pool[r, best], norms[r][:, best])
-        lower.masked_fill_(self.excluded.gather(1, pool), inf)
-        certified = lower > kth_upper                                                     # (rows, max(pools))
+        bound, pool = spectral.topk(max(pools), dim=-1)                                   # (rows, P)
+        in_pool = self.below(pools, pool.shape[1]) & (bound > inf)
+        upper, norms = self.gram_bounds(pool)
+        bound = torch.where(in_pool, torch.minimum(bound, upper), bound)
+        work.gram += sum(pools)
+        kth_upper = self.kth(spectral.scatter(1, pool, bound))                            # (rows, 1)
+        certified = in_pool & (self.lower_bounds(pool, norms) > kth_upper)
         kept = self.read(work, certified.sum(-1))[0]
         work.certified += sum(kept)
         scores.scatter_(1, pool, torch.where(certified, float("inf"), inf))
-        bound.masked_fill_(certified, inf)
 
-        # Round 1: exact scores for the best of the rest by the upper bounds.
-        sizes = [min(pool_size - c, -(-first_candidates(k - c) // self.tile) * self.tile)
-                 for k, c, pool_size in zip(self.counts, kept, pools)]
-        candidates = pool.gather(1, bound.topk(max(sizes), dim=-1).indices)               # (rows, max(sizes))
-        for r in live:
-            if sizes[r]:
-                scores[r, candidates[r, :sizes[r]]] = self.exact(r, candidates[r, :sizes[r]])
-                work.exact += sizes[r]
-        scores.masked_fill_(self.excluded, inf)
-        cut = self.cuts(scores)                                                           # (rows, 1)
-        open_ = ~self.excluded & (scores == inf)                                          # not ruled out, not scored
-        in_pool = torch.stack([torch.arange(max(pools), device=pool.device) < n for n in pools])
+        # Round 1: exact scores for the best of the rest of the pool by the upper bounds.
+        sizes = [min(size - c, -(-first_candidates(k - c) // self.tile) * self.tile) if k else 0
+                 for k, c, size in zip(counts, kept, pools)]
+        if max(sizes):
+            best, order = bound.masked_fill(~in_pool | certified, inf).topk(max(sizes), dim=-1)
+            candidates = pool.gather(1, order)
+            self.score(candidates, self.below(sizes, len(order[0])) & (best > inf), sizes, scores, work)
+        view = scores[:, :m]
+        cut = self.kth(view)                                                              # (rows, 1)
+        open_ = ~self.excluded & (view == inf)                                            # not ruled out, not scored
+        pooled = torch.zeros_like(open_).scatter_(1, pool, in_pool)
         to_score = torch.zeros_like(open_).scatter_(1, pool, (bound >= cut) & in_pool) & open_
-        to_bound = (spectral >= cut) & open_ & ~torch.zeros_like(open_).scatter_(1, pool, in_pool)
+        to_bound = (spectral >= cut) & open_ & ~pooled
         topk_rule = self.ws.conventions.ties == "topk"
-        reads = self.read(work, to_score.sum(-1), to_bound.sum(-1), *([self.ties(scores)] if topk_rule else []))
-        rows = [r for r in live if not (topk_rule and reads[2][r])]
-        for r in set(live) - set(rows):
-            self.score_every_entry(r, scores, work)
+        reads = self.read(work, to_score.sum(-1), to_bound.sum(-1), *([self.ties(view)] if topk_rule else []))
+        tied = reads[2] if topk_rule else [0] * self.rows
 
-        # Round 2.
-        reaching = {}
-        for r in rows:
-            if reads[0][r]:
-                self.score_some(r, self.marked(to_score[r], reads[0][r]), scores, work)
-            if reads[1][r]:
-                idx = self.marked(to_bound[r], reads[1][r])
-                reaching[r] = idx, self.gram_bounds(r, idx)[0] >= cut[r]
-                work.gram += reads[1][r]
-        if reaching:
-            more = self.read(work, *[reach.sum() for _, reach in reaching.values()])
+        # Round 2, for the rows with no tie at the cut (rows with one are scored in full below).
+        rows = [bool(k) and not t for k, t in zip(counts, tied)]
+        n_score = [n if r else 0 for n, r in zip(reads[0], rows)]
+        n_bound = [n if r else 0 for n, r in zip(reads[1], rows)]
+        if max(n_score):
+            self.score(self.marked(to_score, n_score), self.below(n_score, max(n_score)), n_score, scores, work)
+        if max(n_bound):
+            idx = self.marked(to_bound, n_bound)
+            reach = self.below(n_bound, idx.shape[1]) & (self.gram_bounds(idx)[0] >= cut)
+            work.gram += sum(n_bound)
             # Round 3.
-            for (r, (idx, reach)), n in zip(reaching.items(), more):
-                if n:
-                    self.score_some(r, idx[self.marked(reach, n)], scores, work)
-        rescored = [r for r in rows if reads[0][r] or reads[1][r]]
+            n_reach = self.read(work, reach.sum(-1))[0]
+            if max(n_reach):
+                chosen = idx.gather(1, self.marked(reach, n_reach))
+                self.score(chosen, self.below(n_reach, chosen.shape[1]), n_reach, scores, work)
+        rescored = [r for r in range(self.rows) if n_score[r] or n_bound[r]]
         work.widened += len(rescored)
+        full = [r for r in range(self.rows) if counts[r] and tied[r]]
         if topk_rule and rescored:    # the later rounds may have moved the cut onto a tie
-            tied = self.read(work, self.ties(scores))[0]
-            for r in rescored:
-                if tied[r]:
-                    self.score_every_entry(r, scores, work)
-        return scores
+            again = self.read(work, self.ties(scores[:, :m]))[0]
+            full += [r for r in rescored if again[r]]
+        if full:
+            self.score_every_entry(full, scores, work)
+        return scores[:, :m]
 
-    def cuts(self, scores: torch.Tensor) -> torch.Tensor:
-        """(rows, 1) each row's k-th best score in ``scores``."""
+    def kth(self, scores: torch.Tensor) -> torch.Tensor:
+        """(rows, 1) each row's k-th best score in ``scores`` (its best where k = 0)."""
         best = scores.topk(min(max(self.counts), self.m), dim=-1).values
-        return torch.stack([best[r, max(k, 1) - 1] for r, k in enumerate(self.counts)])[:, None]
+        return best.gather(1, (self.k - 1).clamp_min(0)[:, None])
 
     def ties(self, scores: torch.Tensor) -> torch.Tensor:
         """(rows,) whether each row's k-th and (k+1)-th best scores in ``scores`` are equal (and finite)."""
         best = scores.topk(min(max(self.counts) + 1, self.m), dim=-1).values
-        tied = [(best[r, k] == best[r, k - 1]) & (best[r, k] > float("-inf")) if 0 < k < best.shape[1]
-                else torch.zeros((), dtype=torch.bool, device=scores.device) for r, k in enumerate(self.counts)]
-        return torch.stack(tied)
+        width = best.shape[1]
+        kth = best.gather(1, (self.k - 1).clamp(0, width - 1)[:, None])[:, 0]
+        after = best.gather(1, self.k.clamp(0, width - 1)[:, None])[:, 0]
+        return (self.k > 0) & (self.k < width) & (after == kth) & (after > float("-inf"))
 
     @staticmethod
     def read(work: Stage2Work, *values: torch.Tensor) -> list:
@@ -367,14 +389,22 @@ class Stage2:
         return torch.stack([x.long() for x in values]).tolist()
 
     @staticmethod
-    def marked(mask: torch.Tensor, n: int) -> torch.Tensor:
-        """Positions of the ``n`` True entries of a 1-D ``mask`` (``n`` read before: no wait for the device)."""
-        return mask.float().topk(n).indices
+    def marked(mask: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """(rows, max(counts)) positions of each row's True entries of ``mask`` (rows, n), first the ``counts[r]``
+        read before (no wait for the device), then whatever positions fill the row."""
+        return mask.float().topk(max(counts), dim=-1).indices
 
-    def score_some(self, r: int, idx: torch.Tensor, scores: torch.Tensor, work: Stage2Work) -> None:
-        scores[r, idx] = self.exact(r, idx)
-        work.exact += len(idx)
+    def score(self, idx: torch.Tensor, asked: torch.Tensor, sizes: list[int], scores: torch.Tensor,
+              work: Stage2Work) -> None:
+        """Exact scores of entries ``idx`` (rows, c) into ``scores``, where ``asked`` (rows, c)."""
+        exact = self.exact(idx, sizes)
+        scores.scatter_(1, torch.where(asked, idx, self.m), exact)
+        scores[:, self.m] = float("-inf")
+        work.exact += sum(sizes)
 
-    def score_every_entry(self, r: int, scores: torch.Tensor, work: Stage2Work) -> None:
-        scores[r] = self.exact(r).masked_fill(self.excluded[r], float("-inf"))
-        work.exact += self.m
+    def score_every_entry(self, rows: list[int], scores: torch.Tensor, work: Stage2Work) -> None:
+        """Rows ``rows`` scored exactly over every entry (the exhaustive path's products, the same bits)."""
+        every = self.exhaustive()
+        for r in rows:
+            scores[r, :self.m] = every[r]
+        work.exact += self.m * len(rows)
