@@ -8,12 +8,15 @@
 #
 # wheels/ is git-ignored: a copy of the checkout has it only if it is carried (the device tool's carry: ["wheels"]).
 # Results go to $OUT where it is set (what comes back from a lent machine), else to results/bench/:
-# gpu_<device>.jsonl, gpu_<device>_analysis.jsonl and gpu_<device>_tests.log. Each row is written as soon as it is
-# measured, so a command stopped at its time limit still leaves the rows before it. Written to results/bench/, the
+# gpu_<device>.jsonl, gpu_<device>_analysis.jsonl and gpu_<device>_tests.log. A context's rows are written when its
+# last round ends (each row is a median over the rounds), so a command stopped at its time limit leaves the rows of
+# the contexts it finished and none of the one it was measuring. Written to results/bench/, the
 # table also goes into results/bench/README.md; rows brought back from $OUT get it here with
 #   .venv/bin/python scripts/gpu_readme.py results/bench/gpu_<device>.jsonl
 #
-# Everything at once takes longer than a 10-minute command. In parts that fit (one H100 session's estimate, 2026-11):
+# Everything at once takes longer than a 10-minute command. In parts that fit (one H100 session's estimate, 2026-11;
+# on an H200, 8K with 3 methods, both selections, 2 budgets and criticalkv did not finish in 140 s, and 32K's first
+# 8 rows took 270 s with 2 rounds and 4 decoded tokens):
 #   TESTS=1 CONTEXTS= bash scripts/gpu_check.sh                              # the tests alone, CUDA graphs first
 #   TESTS=0 CONTEXTS=8192 POOLS= bash scripts/gpu_check.sh                   # issue 28's 8K rows
 #   TESTS=0 APPEND=1 CONTEXTS=32768 METHODS="snapkv pyramidkv adakv" POOLS= REPEATS=2 bash scripts/gpu_check.sh
