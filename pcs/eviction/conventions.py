@@ -53,6 +53,20 @@ class Conventions:
             return scores.topk(k).indices.sort().values
         return scores.sort(descending=True, stable=True).indices[:k].sort().values
 
+    def top_mask(self, scores: torch.Tensor, ks: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """(rows, m) True at each row's ``top`` ``counts[r]`` entries of (rows, m) ``scores`` (``ks``: the counts
+        on the scores' device). Under ``earlier`` in a few operations for every row at once (a stable order is the
+        same whatever k); under ``topk`` row by row, as torch.topk's choice among ties depends on k."""
+        import torch
+        rows, m = scores.shape
+        if self.ties == "topk":
+            flat = [row.topk(k).indices + r * m for r, (row, k) in enumerate(zip(scores, counts)) if k > 0]
+            mask = torch.zeros(rows * m, dtype=torch.bool, device=scores.device)
+            return (mask.index_fill_(0, torch.cat(flat), True) if flat else mask).view(rows, m)
+        order = scores.sort(dim=-1, descending=True, stable=True).indices
+        ranked = torch.arange(m, device=scores.device) < ks[:, None]
+        return torch.zeros_like(order, dtype=torch.bool).scatter_(1, order, ranked)
+
 
 PAPER = Conventions()
 

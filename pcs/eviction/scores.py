@@ -13,6 +13,20 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
 
 
+def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    """(len,) int64 on ``device`` with no wait for it: a non-blocking copy from pinned memory on CUDA (a plain
+    ``torch.tensor(values, device=...)`` waits for the copy)."""
+    host = torch.tensor(values, dtype=torch.long)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
+def positions(mask: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Ascending positions of each row's True entries of (rows, m) ``mask``, ``sizes[r]`` of them (known on the
+    host): one stable sort for every row, then views."""
+    ascending = (~mask).to(torch.uint8).sort(dim=-1, stable=True).indices
+    return [ascending[r, :n] for r, n in enumerate(sizes)]
+
+
 def window_attention(window_queries: torch.Tensor, keys: torch.Tensor,
                      key_valid: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of the last ``w`` queries over all ``n`` keys, causal inside the window.

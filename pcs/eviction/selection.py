@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from .conventions import PAPER, Conventions
-from .scores import SharedScores, group_weights, norm_plan, output_projection, projected_value_norms, \
-    quadratic_forms
+from .scores import SharedScores, device_ints, group_weights, norm_plan, output_projection, positions, \
+    projected_value_norms, quadratic_forms
 
 
 @dataclass
@@ -40,7 +40,9 @@ class AttentionSelection:
     two_stage = False
 
     def select(self, budgets: list[int], ws: WindowScores) -> list[torch.Tensor]:
-        return [ws.conventions.top(ws.stage1[h], b) for h, b in enumerate(budgets)]
+        budgets = [min(b, ws.stage1.shape[1]) for b in budgets]
+        ks = device_ints(budgets, ws.stage1.device)
+        return positions(ws.conventions.top_mask(ws.stage1, ks, budgets), budgets)
 
 
 @dataclass
@@ -93,29 +95,28 @@ class PerturbationSelection:
             return max(0, int(self.alpha * (prefix_budget + window)) - window)
         return int(self.alpha * prefix_budget)
 
+    def stage1_sizes(self, budgets: list[int], ws: WindowScores) -> list[int]:
+        m = ws.stage1.shape[1]
+        return [min(m, max(self.stage1_size(b, ws.window, ws.conventions.stage1), min(ws.protected, b)))
+                for b in budgets]
+
     def stage1(self, budgets: list[int], ws: WindowScores) -> list[torch.Tensor]:
         """Stage 1 of Algorithm 1: per KV head, the top ``stage1_size`` prefix entries by pooled attention."""
-        sizes = [max(self.stage1_size(b, ws.window, ws.conventions.stage1), min(ws.protected, b)) for b in budgets]
-        return [ws.conventions.top(ws.stage1[h], size) for h, size in enumerate(sizes)]
+        sizes = self.stage1_sizes(budgets, ws)
+        return positions(ws.conventions.top_mask(ws.stage1, device_ints(sizes, ws.stage1.device), sizes), sizes)
 
     def select(self, budgets: list[int], ws: WindowScores, exhaustive: bool = False) -> list[torch.Tensor]:
         """Stage 1, then stage 2's top entries per KV head. ``exhaustive`` computes every entry's stage-2
         score; otherwise only the candidates the bound leaves (the same entries are kept either way)."""
-        firsts = self.stage1(budgets, ws)
-        counts = [b - len(first) for b, first in zip(budgets, firsts)]
-        # One scatter for every head's stage-1 picks: a per-head ``excluded[h, first] = True`` copies its True from
-        # the host and waits for the device at each head (8 of a layer's 12 waits on a GPU, results/bench).
-        m = ws.stage1.shape[-1]
-        flat = torch.cat([first + h * m for h, first in enumerate(firsts)])
-        excluded = torch.zeros(ws.stage1.numel(), dtype=torch.bool, device=ws.stage1.device).index_fill_(0, flat, True) \
-            .view(ws.stage1.shape)
-        if ws.valid is not None:
-            excluded |= ~ws.valid
+        budgets = [min(b, ws.stage1.shape[1]) for b in budgets]
+        sizes = self.stage1_sizes(budgets, ws)
+        first = ws.conventions.top_mask(ws.stage1, device_ints(sizes, ws.stage1.device), sizes)
+        counts = [b - size for b, size in zip(budgets, sizes)]
+        excluded = first if ws.valid is None else first | ~ws.valid
         stage2 = Stage2(self, ws, excluded, counts)
         # Norms shared by the runs of a prefill are computed for every entry anyway: no bound can save work.
         scores = stage2.exhaustive() if exhaustive or stage2.shared_norms is not None else stage2.bounded(self.work)
-        return [torch.cat([first, ws.conventions.top(scores[h], k)]).sort().values
-                for h, (first, k) in enumerate(zip(firsts, counts))]
+        return positions(first | ws.conventions.top_mask(scores, stage2.k, counts), budgets)
 
     def stage2_attention(self, ws: WindowScores) -> torch.Tensor:
         return (ws.mean_attention if self.stage2_source == "unpooled" else ws.pooled_attention) + self.epsilon
@@ -178,9 +179,7 @@ class Stage2:
         self._signs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def ints(self, values: list[int]) -> torch.Tensor:
-        """(len,) int64 on the layer's device with no wait: a non-blocking copy from pinned memory on CUDA."""
-        host = torch.tensor(values, dtype=torch.long)
-        return host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        return device_ints(values, self.device)
 
     def below(self, sizes: list[int], width: int) -> torch.Tensor:
         """(rows, width) True at each row's first ``sizes[r]`` positions."""
