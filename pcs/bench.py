@@ -311,7 +311,8 @@ def analysis(args) -> list[dict]:
 
 def run(args) -> list[dict]:
     """Per context: a warm-up of every configuration, then ``repeats`` rounds that each measure every
-    configuration once, so that slow drift of the machine falls on all configurations alike."""
+    configuration once, so that slow drift of the machine falls on all configurations alike. Each row is printed
+    as soon as its last round is measured, so a run stopped at a time limit keeps the rows before it."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(args.model, args.layers, device, args.model_path)
     weights = weight_bytes(model)
@@ -322,11 +323,12 @@ def run(args) -> list[dict]:
         for _, method in built:
             greedy_generate(model, ids, method, 2, set())
         samples = [[] for _ in built]
-        for _ in range(args.repeats):
+        for _ in range(args.repeats - 1):
             for i, (_, method) in enumerate(built):
                 samples[i].append(measure_once(model, method, ids, args.decode_tokens))
         base = None
         for (config, method), runs in zip(built, samples):
+            runs.append(measure_once(model, method, ids, args.decode_tokens))     # the last round
             result = summarize(runs) | stage2_work(method)
             result["attention_calls_per_token"] = attention_calls_per_token(model, method, ids[:, :CALLS_CONTEXT])
             if args.profile:

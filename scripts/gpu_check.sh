@@ -8,9 +8,9 @@
 #
 # wheels/ is git-ignored: a copy of the checkout has it only if it is carried (the device tool's carry: ["wheels"]).
 # Results go to $OUT where it is set (what comes back from a lent machine), else to results/bench/:
-# gpu_<device>.jsonl, gpu_<device>_analysis.jsonl and gpu_<device>_tests.log. A context's rows are written when its
-# last round ends (each row is a median over the rounds), so a command stopped at its time limit leaves the rows of
-# the contexts it finished and none of the one it was measuring. Written to results/bench/, the
+# gpu_<device>.jsonl, gpu_<device>_analysis.jsonl and gpu_<device>_tests.log. Each row is written as soon as its
+# last round is measured (a median over the rounds; the rounds before the last measure every configuration), so a
+# command stopped at its time limit keeps the rows before it. Written to results/bench/, the
 # table also goes into results/bench/README.md; rows brought back from $OUT get it here with
 #   .venv/bin/python scripts/gpu_readme.py results/bench/gpu_<device>.jsonl
 #
@@ -22,9 +22,13 @@
 #   TESTS=0 APPEND=1 CONTEXTS=32768 METHODS="snapkv pyramidkv adakv" POOLS= REPEATS=2 bash scripts/gpu_check.sh
 #   TESTS=0 APPEND=1 CONTEXTS=32768 METHODS=snapkv BUDGETS= PRESETS= ANALYSIS=1 bash scripts/gpu_check.sh
 #   TESTS=0 APPEND=1 CONTEXTS=131072 METHODS=snapkv BUDGETS=128 PRESETS= POOLS= REPEATS=1 bash scripts/gpu_check.sh
+# Issue 28's prefill ratios alone, in one 15-minute lease (decoding 2 tokens a row: the ratio reads the prefill):
+#   TESTS=0 CONTEXTS=8192 METHODS="snapkv pyramidkv adakv" POOLS= REPEATS=2 DECODE_TOKENS=2 bash scripts/gpu_check.sh
+#   TESTS=0 APPEND=1 CONTEXTS=32768 METHODS="snapkv pyramidkv adakv" POOLS= REPEATS=2 DECODE_TOKENS=2 ANALYSIS=0 ...
 # Knobs: CONTEXTS, METHODS (the full cache is always measured), BUDGETS, PRESETS, POOLS (decode pool sizes; empty:
 # no pools), REPEATS, ANALYSIS (the 32K perturbation analysis; default: only when CONTEXTS holds 32768), TESTS,
-# APPEND (add to the results file instead of starting it anew), EAGER=1 (pools without CUDA graphs).
+# APPEND (add to the results file instead of starting it anew), EAGER=1 (pools without CUDA graphs), DECODE_TOKENS
+# (tokens decoded per row and pool, 32).
 #
 # The machine brings torch (CUDA) and transformers; what else pcs's engine needs (hydra-core, omegaconf,
 # antlr4) is installed from wheels/ into a folder of its own, without touching the machine's packages.
@@ -79,7 +83,7 @@ if [ "${TESTS:-1}" != 0 ]; then
 fi
 
 bench_args=(--model llama31-shape --layers 32 --device cuda --methods $METHODS --selections attention perturbation
-            --repeats "$REPEATS" --decode-tokens 32 --json)
+            --repeats "$REPEATS" --decode-tokens "${DECODE_TOKENS:-32}" --json)
 [ -z "$BUDGETS" ] || bench_args+=(--budgets $BUDGETS)
 [ -z "$PRESETS" ] || bench_args+=(--presets $PRESETS)
 [ -z "$POOLS" ] || bench_args+=(--pools $POOLS)

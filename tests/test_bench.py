@@ -127,3 +127,23 @@ def test_gpu_readme_puts_a_devices_table_in_its_own_section_and_replaces_it(tmp_
     readme.write_text(first.replace(report.strip(), "an older table") + "Text after.\n")
     subprocess.run(script, check=True, capture_output=True)
     assert readme.read_text() == first + "Text after.\n"
+
+
+def test_a_bench_stopped_in_its_last_round_keeps_the_rows_measured_before(tiny_model_dir, capsys, monkeypatch):
+    """A GPU lease ends a command at its time limit: every row whose last round was measured is printed already.
+    Two rounds of 3 configurations; the bench is stopped at its fifth measurement (the last round's second), so
+    the first configuration's row is out and no other."""
+    import pcs.bench as bench
+    measure, calls = bench.measure_once, []
+
+    def stopping(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise TimeoutError("the lease's time limit")
+        return measure(*args, **kwargs)
+    monkeypatch.setattr(bench, "measure_once", stopping)
+    with pytest.raises(TimeoutError):
+        main(["--model-path", str(tiny_model_dir), "--contexts", "300", "--methods", "snapkv", "--selections",
+              "attention", "--budgets", "64", "32", "--repeats", "2", "--decode-tokens", "2", "--json"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["method"], r["budget"]) for r in rows] == [("full", None)] and rows[0]["repeats"] == 2
