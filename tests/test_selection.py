@@ -462,3 +462,26 @@ def test_every_rows_top_at_once_is_each_rows_top(ties):
     for ks in ([0, 1, 7, 150, 300], [64] * 5, [299, 3, 0, 260, 100]):
         got = positions(conventions.top_mask(scores, device_ints(ks, scores.device), ks), ks)
         assert [x.tolist() for x in got] == [conventions.top(row, k).tolist() for row, k in zip(scores, ks)]
+
+
+def test_a_tie_at_the_cut_under_torch_topks_rule_is_scored_in_full(rows_together, monkeypatch):
+    """Stage-2 scores with few distinct values (values repeated, attention on a few levels): under ``ties=topk``,
+    whose choice among tied entries depends on every entry, the rows with a tie at their cut are scored over
+    every entry, and the bounded stage 2 keeps what the exhaustive one keeps."""
+    g = torch.Generator().manual_seed(21)
+    n_kv, group, m, d, hidden = 3, 2, 600, 8, 24
+    values = torch.randn(n_kv, 5, d, generator=g)[:, torch.randint(0, 5, (m,), generator=g)]   # 5 distinct values
+    mean = (torch.randint(1, 4, (n_kv * group, m), generator=g).float() / m)                   # 3 attention levels
+    ws = WindowScores(mean, mean, mean.view(n_kv, group, m).mean(1), values,
+                      torch.randn(hidden, n_kv * group * d, generator=g), conventions=Conventions(ties="topk"))
+    scored_in_full = []
+    every_entry = Stage2.score_every_entry
+    monkeypatch.setattr(Stage2, "score_every_entry",
+                        lambda self, rows, scores, work: (scored_in_full.extend(rows),
+                                                          every_entry(self, rows, scores, work)))
+    selection = PerturbationSelection()
+    for budgets in ([100, 100, 100], [40, 250, 7]):
+        fast = selection.select(budgets, ws)
+        plain = selection.select(budgets, ws, exhaustive=True)
+        assert [f.tolist() for f in fast] == [p.tolist() for p in plain]
+    assert scored_in_full                  # the path ran

@@ -332,7 +332,7 @@ class Stage2:
         if max(sizes):
             best, order = bound.masked_fill(~in_pool | certified, inf).topk(max(sizes), dim=-1)
             candidates = pool.gather(1, order)
-            self.score(candidates, self.below(sizes, len(order[0])) & (best > inf), sizes, scores, work)
+            self.score(candidates, self.below(sizes, order.shape[1]) & (best > inf), sizes, scores, work)
         view = scores[:, :m]
         cut = self.kth(view)                                                              # (rows, 1)
         open_ = ~self.excluded & (view == inf)                                            # not ruled out, not scored
@@ -402,8 +402,10 @@ class Stage2:
         work.exact += sum(sizes)
 
     def score_every_entry(self, rows: list[int], scores: torch.Tensor, work: Stage2Work) -> None:
-        """Rows ``rows`` scored exactly over every entry (the exhaustive path's products, the same bits)."""
-        every = self.exhaustive()
+        """Rows ``rows`` scored exactly over every entry (the exhaustive path's products, the same bits; a batch
+        of rows that holds none of them computes nothing)."""
+        every = self.exact(None, [self.m if r in rows else 0 for r in range(self.rows)])
+        every = every.masked_fill(self.excluded, float("-inf"))
         for r in rows:
             scores[r, :self.m] = every[r]
         work.exact += self.m * len(rows)
