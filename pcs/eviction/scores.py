@@ -165,6 +165,10 @@ def group_weights(o_proj_weight: torch.Tensor, rows: int, d: int) -> torch.Tenso
 # What the products' temporaries may take on an accelerator: a 32K-token prefill of an 8B model allocates more per
 # layer for its MLP alone, and a product covering each row's candidates at once saves a launch per tile.
 ACCELERATOR_PRODUCT_BYTES = 1 << 30
+# Entries per product there, at least: the bounded stage 2's first round then scores a row's whole pool (2k entries,
+# at least k + 256) in one product up to k = 512, and rarely needs another round, each of which costs launches and a
+# wait.
+ACCELERATOR_TILE = 1024
 
 
 def batches_rows(device: torch.device) -> bool:
@@ -186,18 +190,17 @@ def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.d
               device: torch.device) -> NormPlan:
     """The plan for a layer of ``n`` entries, its values held as ``rows`` rows of (n, d): one row at a time on a
     CPU, every row at once on an accelerator (``batches_rows``); about n / 32 entries per product (a power of
-    two, at least 32), at most what keeps the (together, tile, group * hidden) product and its float32 copy
+    two, at least 32; at least ``ACCELERATOR_TILE`` on an accelerator), at most what keeps the (together, tile, group * hidden) product and its float32 copy
     within half of the layer's values' bytes (on a CPU, so the temporaries stay within one layer's keys and
     values) or within ``ACCELERATOR_PRODUCT_BYTES`` (on an accelerator). It follows the layer's shape and device
     alone: every method that scores the layer (alone or sharing a prefill, every entry or the bounded stage 2's
     few) computes an entry's norm in the same product, the same bits."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     budget = rows * n * d * itemsize // 2
-    together = 1
+    together, tile = 1, max(32, 1 << max(0, n // 32 - 1).bit_length())
     if batches_rows(device):
-        together, budget = rows, max(budget, ACCELERATOR_PRODUCT_BYTES)
-    most = rows_per_chunk(budget, together * group * hidden, dtype)
-    return NormPlan(together, min(most, max(32, 1 << max(0, n // 32 - 1).bit_length())))
+        together, budget, tile = rows, max(budget, ACCELERATOR_PRODUCT_BYTES), max(tile, ACCELERATOR_TILE)
+    return NormPlan(together, min(tile, rows_per_chunk(budget, together * group * hidden, dtype)))
 
 
 def projected_value_norms(values: torch.Tensor, weights: torch.Tensor, group: int, tile: int) -> torch.Tensor:
