@@ -454,13 +454,14 @@ def test_every_rows_top_at_once_is_each_rows_top(ties):
     """``Conventions.top_mask`` and ``positions`` pick for all rows at once what ``Conventions.top`` picks row by row,
     ties included (scores rounded to a few values, so ties at the cut are common), k from 0 to every entry."""
     from pcs.eviction.conventions import Conventions
-    from pcs.eviction.scores import device_ints, positions
+    from pcs.eviction.scores import positions
+    from pcs.upload import upload
     conventions = Conventions(ties=ties)
     g = torch.Generator().manual_seed(3)
     scores = (torch.rand(5, 300, generator=g) * 6).floor()
     scores[1, :40] = float("-inf")
     for ks in ([0, 1, 7, 150, 300], [64] * 5, [299, 3, 0, 260, 100]):
-        got = positions(conventions.top_mask(scores, device_ints(ks, scores.device), ks), ks)
+        got = positions(conventions.top_mask(scores, upload(ks, scores.device), ks), ks)
         assert [x.tolist() for x in got] == [conventions.top(row, k).tolist() for row, k in zip(scores, ks)]
 
 

@@ -38,7 +38,8 @@ from ..cache import CompressedCache
 from ..compression import CompressionStats, at_unit_scale, attention_modules, recompress
 from ..eviction.base import Method
 from ..hybrid import attention_windows, full_attention_layers, head_dim
-from .pool import PoolCache, upload
+from ..upload import upload
+from .pool import PoolCache
 from .rings import QueryRings
 
 # How often (in tokens) a sequence with a ``settled`` test is asked it: the test decodes its tokens to text on the

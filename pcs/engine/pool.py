@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache import CompressibleLayer, HeldKeys
 from ..hybrid import attention_windows, head_dim
+from ..upload import upload
 
 GROWTH = 256   # entries added beyond what a growing layer needs (it grows by at least half)
 
@@ -34,15 +35,6 @@ GROWTH = 256   # entries added beyond what a growing layer needs (it grows by at
 # heads per KV head: outputs differ in their last bits between a call of 7 slots and one of 3), split or not;
 # there pooled answers are batch 1's up to near-ties, and a run's answers are reproducible at a fixed thread count.
 CPU_KEY_BLOCK = 512
-
-
-def upload(values, device: torch.device) -> torch.Tensor:
-    """Host values (a list or an array) on ``device`` without waiting for it: from pinned memory, asynchronously
-    on CUDA (a copy from pageable memory first waits for the device's queued work)."""
-    tensor = torch.as_tensor(values)
-    if device.type != "cuda":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def bucket(live: int, size: int) -> int:

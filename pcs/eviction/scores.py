@@ -13,13 +13,6 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
 
 
-def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
-    """(len,) int64 on ``device`` with no wait for it: a non-blocking copy from pinned memory on CUDA (a plain
-    ``torch.tensor(values, device=...)`` waits for the copy)."""
-    host = torch.tensor(values, dtype=torch.long)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
-
-
 def positions(mask: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     """Ascending positions of each row's True entries of (rows, m) ``mask``, ``sizes[r]`` of them (known on the
     host): one stable sort for every row, then views."""
@@ -190,9 +183,10 @@ def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.d
               device: torch.device) -> NormPlan:
     """The plan for a layer of ``n`` entries, its values held as ``rows`` rows of (n, d): one row at a time on a
     CPU, every row at once on an accelerator (``batches_rows``); about n / 32 entries per product (a power of
-    two, at least 32; at least ``ACCELERATOR_TILE`` on an accelerator), at most what keeps the (together, tile, group * hidden) product and its float32 copy
-    within half of the layer's values' bytes (on a CPU, so the temporaries stay within one layer's keys and
-    values) or within ``ACCELERATOR_PRODUCT_BYTES`` (on an accelerator). It follows the layer's shape and device
+    two, at least 32; at least ``ACCELERATOR_TILE`` on an accelerator), at most what keeps the (together, tile,
+    group * hidden) product and its float32 copy within half of the layer's values' bytes (on a CPU, so the
+    temporaries stay within one layer's keys and values) or within ``ACCELERATOR_PRODUCT_BYTES`` (on an
+    accelerator). It follows the layer's shape and device
     alone: every method that scores the layer (alone or sharing a prefill, every entry or the bounded stage 2's
     few) computes an entry's norm in the same product, the same bits."""
     itemsize = torch.empty(0, dtype=dtype).element_size()

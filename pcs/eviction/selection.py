@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from .conventions import PAPER, Conventions
-from .scores import SharedScores, device_ints, group_weights, norm_plan, output_projection, positions, \
+from ..upload import upload
+from .scores import SharedScores, group_weights, norm_plan, output_projection, positions, \
     projected_value_norms, quadratic_forms
 
 
@@ -41,7 +42,7 @@ class AttentionSelection:
 
     def select(self, budgets: list[int], ws: WindowScores) -> list[torch.Tensor]:
         budgets = [min(b, ws.stage1.shape[1]) for b in budgets]
-        ks = device_ints(budgets, ws.stage1.device)
+        ks = upload(budgets, ws.stage1.device)
         return positions(ws.conventions.top_mask(ws.stage1, ks, budgets), budgets)
 
 
@@ -103,14 +104,14 @@ class PerturbationSelection:
     def stage1(self, budgets: list[int], ws: WindowScores) -> list[torch.Tensor]:
         """Stage 1 of Algorithm 1: per KV head, the top ``stage1_size`` prefix entries by pooled attention."""
         sizes = self.stage1_sizes(budgets, ws)
-        return positions(ws.conventions.top_mask(ws.stage1, device_ints(sizes, ws.stage1.device), sizes), sizes)
+        return positions(ws.conventions.top_mask(ws.stage1, upload(sizes, ws.stage1.device), sizes), sizes)
 
     def select(self, budgets: list[int], ws: WindowScores, exhaustive: bool = False) -> list[torch.Tensor]:
         """Stage 1, then stage 2's top entries per KV head. ``exhaustive`` computes every entry's stage-2
         score; otherwise only the candidates the bound leaves (the same entries are kept either way)."""
         budgets = [min(b, ws.stage1.shape[1]) for b in budgets]
         sizes = self.stage1_sizes(budgets, ws)
-        first = ws.conventions.top_mask(ws.stage1, device_ints(sizes, ws.stage1.device), sizes)
+        first = ws.conventions.top_mask(ws.stage1, upload(sizes, ws.stage1.device), sizes)
         counts = [b - size for b, size in zip(budgets, sizes)]
         excluded = first if ws.valid is None else first | ~ws.valid
         stage2 = Stage2(self, ws, excluded, counts)
@@ -175,15 +176,12 @@ class Stage2:
         self.shared_norms = None if ws.shared is None else \
             ws.shared.value_norms(self.group)[:, :self.m].view(self.rows, self.group, self.m)
         self.slack = (1 + torch.finfo(ws.prefix_values.dtype).eps) * (1 + ROUNDING)
-        self.k = self.ints(counts)                                                        # (rows,)
+        self.k = upload(counts, self.device)                                                        # (rows,)
         self._signs: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def ints(self, values: list[int]) -> torch.Tensor:
-        return device_ints(values, self.device)
 
     def below(self, sizes: list[int], width: int) -> torch.Tensor:
         """(rows, width) True at each row's first ``sizes[r]`` positions."""
-        return torch.arange(width, device=self.device) < self.ints(sizes)[:, None]
+        return torch.arange(width, device=self.device) < upload(sizes, self.device)[:, None]
 
     def at(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """``x`` (rows, ..., m) at entries ``idx`` (rows, c) of each row -> (rows, ..., c)."""
