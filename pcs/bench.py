@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from . import compression
 from .compression import CompressionStats
 from .config import compose, uses
 from .engine import Cell, DecodePool, clock, prefill
@@ -314,6 +315,8 @@ def run(args) -> list[dict]:
     configuration once, so that slow drift of the machine falls on all configurations alike. Each row is printed
     as soon as its last round is measured, so a run stopped at a time limit keeps the rows before it."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    compression.OVERLAP_ON_CUDA = not args.serial_compression
+    overlapped = compression.overlaps(torch.device(device))
     model = build_model(args.model, args.layers, device, args.model_path)
     weights = weight_bytes(model)
     built = build_configurations(args)
@@ -342,7 +345,8 @@ def run(args) -> list[dict]:
             base = base or result
             row = {"model": args.model, "device": device, "device_name": device_name(device),
                    "layers": model.config.num_hidden_layers, "method": config.method, "selection": config.selection,
-                   "budget": config.budget, "preset": config.preset, "context": context, "repeats": args.repeats, **result,
+                   "budget": config.budget, "preset": config.preset, "context": context, "repeats": args.repeats,
+                   "compression_overlapped": overlapped, **result,
                    "decode_bound": (weights + result["kv_bytes_full"]) / (weights + result["kv_bytes"]),
                    "decode_speedup": base["decode_ms_per_token"] / result["decode_ms_per_token"]}
             rows.append(row)
@@ -417,16 +421,18 @@ def selection_table(rows: list[dict]) -> str:
     pairs = selection_overheads(rows)
     if not pairs:
         return ""
-    lines = ["| context | method | budget | conventions | compression s: attention, perturbation | perturbation / "
-             "attention | whole prefills | exact norms / entries | d^2 bounds / entries | kept on the lower bound / "
-             "entries | heads with a second round |",
-             "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| context | method | budget | conventions | compression | compression s: attention, perturbation | "
+             "perturbation / attention | whole prefills | exact norms / entries | d^2 bounds / entries | kept on the "
+             "lower bound / entries | heads with a second round |",
+             "|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for o in pairs:
         r = o.row
         times = f"{o.base['compress_s']:.3f}, {r['compress_s']:.3f}" if "compress_s" in r else "-"
         share = lambda key: f"{100 * r[key]:.1f} %" if key in r else "-"
         lines.append(f"| {r['context']} | {r['method']} | {r['budget']} | "
-                     f"{'preset=' + r['preset'] if r.get('preset') else 'paper'} | {times} | {o.ratio:.3f} | "
+                     f"{'preset=' + r['preset'] if r.get('preset') else 'paper'} | "
+                     f"{'beside the next layer' if r.get('compression_overlapped') else 'after each layer'} | "
+                     f"{times} | {o.ratio:.3f} | "
                      f"{o.wall_ratio:.3f} | {share('stage2_exact_share')} | {share('stage2_gram_share')} | "
                      f"{share('stage2_certified_share')} | {share('stage2_widened_share')} |")
     return "\n".join(lines)
@@ -453,18 +459,19 @@ class Overhead:
         """Prefill plus compression over the attention row's. Where both rows timed their compression
         (``compress_s``) it is ``(P_a - C_a + C_p) / P_a``: the forward is the same work under both selections, so
         the difference of the compressions' medians measures the overhead without the forward's noise, which on a
-        busy CPU is larger than the overhead itself."""
-        if "compress_s" not in self.row or "compress_s" not in self.base:
+        busy CPU is larger than the overhead itself. Where the compression ran beside the forward (CUDA's
+        ``compression_overlapped``), its seconds are not added to the prefill's: the whole prefills' ratio."""
+        if "compress_s" not in self.row or "compress_s" not in self.base or self.row.get("compression_overlapped"):
             return self.wall_ratio
         return (self.base["prefill_s"] - self.base["compress_s"] + self.row["compress_s"]) / self.base["prefill_s"]
 
 
 def selection_overheads(rows: list[dict]) -> list[Overhead]:
     """Each perturbation row paired with the attention row under the same conventions."""
-    attention = {(r["context"], r["method"], r["budget"], r.get("preset")): r for r in rows
-                 if r["selection"] == "attention"}
-    return [Overhead(r, attention[key]) for r in rows if r["selection"] == "perturbation"
-            and (key := (r["context"], r["method"], r["budget"], r.get("preset"))) in attention]
+    def key(r):
+        return r["context"], r["method"], r["budget"], r.get("preset"), r.get("compression_overlapped", False)
+    attention = {key(r): r for r in rows if r["selection"] == "attention"}
+    return [Overhead(r, attention[key(r)]) for r in rows if r["selection"] == "perturbation" and key(r) in attention]
 
 
 def targets(rows: list[dict]) -> list[str]:
@@ -527,6 +534,8 @@ def parse(argv=None):
     parser.add_argument("--pools", type=int, nargs="+", default=[], help="also decode with pools of these many "
                         "sequences (copies of the prompt's compressed cache): ms per step and tokens per second")
     parser.add_argument("--eager", action="store_true", help="on CUDA, pools decode without CUDA graphs")
+    parser.add_argument("--serial-compression", action="store_true", help="on CUDA, compress each layer right after "
+                        "its forward, on the forward's stream, instead of beside the next layer's forward")
     parser.add_argument("--project", metavar="OVERRIDE", nargs="+", help="print the GPU-hours a sweep would take "
                         "(e.g. experiment=table1), from --bench's measured costs; measures nothing")
     parser.add_argument("--bench", metavar="JSONL", help="--project: the bench results to project from")

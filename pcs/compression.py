@@ -9,6 +9,7 @@ every layer (``compress_each_after_prefill``).
 """
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -76,6 +77,65 @@ def compressed_layers(cache: CompressedCache) -> tuple[int, ...]:
     return tuple(full_attention_layers(cache.windows))
 
 
+# Whether a prefill on CUDA compresses each layer while the next layer's forward runs (``OneLayerLate``); False: right
+# after the layer's own forward, on the forward's stream, as on a CPU (the bench's --serial-compression).
+OVERLAP_ON_CUDA = True
+
+
+def overlaps(device: torch.device) -> bool:
+    """Whether a prefill on ``device`` compresses each layer one layer late, on a stream of its own."""
+    return device.type == "cuda" and OVERLAP_ON_CUDA
+
+
+@functools.cache
+def compression_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's one stream for compressions: the allocator caches memory per stream, so a new stream per
+    prefill would strand what the earlier ones freed."""
+    return torch.cuda.Stream(device)
+
+
+class OneLayerLate:
+    """Each layer's compression, in layer order. Where ``overlaps`` it runs one layer late on a second CUDA stream:
+    queued once the next layer's attention is queued, it waits (an event) only for its own layer's forward, and
+    the host's reads inside it (budgets, stage 2's bounds) wait for the selection alone while the GPU still runs
+    the next layer. The forward's stream then waits for the selection before its next work, so the two streams
+    never touch the same memory at once and every tensor either allocates is ordered after the other's use of
+    it. Elsewhere each layer's work runs at once, as if this were not here."""
+
+    def __init__(self, device: torch.device):
+        self.lagging = overlaps(device)
+        self.stream = compression_stream(device) if self.lagging and device.type == "cuda" else None
+        self.pending = None
+
+    def push(self, work) -> None:
+        if not self.lagging:
+            work()
+            return
+        ready = None
+        if self.stream is not None:
+            ready = torch.cuda.Event()
+            ready.record()                   # the layer's forward and its window's queries, on the forward's stream
+        earlier, self.pending = self.pending, (work, ready)
+        if earlier is not None:
+            self.run(*earlier)
+
+    def run(self, work, ready) -> None:
+        if self.stream is None:              # lagging without a second stream: only a test's reordering
+            work()
+            return
+        forward = torch.cuda.current_stream()
+        self.stream.wait_event(ready)
+        with torch.cuda.stream(self.stream):
+            work()
+        forward.wait_stream(self.stream)
+
+    def flush(self) -> None:
+        """The last layer's work: the forward is over."""
+        if self.pending is not None:
+            earlier, self.pending = self.pending, None
+            self.run(*earlier)
+
+
 @contextmanager
 def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer, on_sliding=None, shared=False):
     """While active, ``on_layer(queries, state, cache_layer)`` runs right after each full-attention module's
@@ -83,9 +143,12 @@ def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer, o
     longest window's) and ``queries[w]``, its last ``w`` queries for each ``w`` of ``windows``. Each window's
     queries are computed on their own, as a lone prefill with that window would. ``shared``: the state carries
     a ``SharedScores`` for the methods that all compress the layer (a group of runs). After a sliding-window
-    layer's forward, ``on_sliding(layer_idx, cache_layer)`` runs instead (None: the layer stays as it is)."""
+    layer's forward, ``on_sliding(layer_idx, cache_layer)`` runs instead (None: the layer stays as it is). On CUDA
+    both run one layer late, beside the next layer's forward (``OneLayerLate``); all have run when the context
+    exits without an error."""
     modules = attention_modules(model)
     compressed = compressed_layers(cache)
+    late = OneLayerLate(next(model.parameters()).device)
 
     def hook(module, args, kwargs, output):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
@@ -94,7 +157,7 @@ def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer, o
         layer = cache.layers[module.layer_idx]
         if layer.is_sliding:
             if on_sliding is not None:
-                on_sliding(module.layer_idx, layer)
+                late.push(lambda: on_sliding(module.layer_idx, layer))
             return
         keys, values = layer.dense()
         queries = {w: window_queries(module, hidden, kwargs["position_embeddings"], w) if w else keys.new_empty(0)
@@ -102,10 +165,11 @@ def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer, o
         state = LayerState(module.layer_idx, len(modules), keys, values, queries[max(windows, default=0)],
                            module.o_proj.weight, compressed=compressed,
                            shared=SharedScores(values, module.o_proj.weight) if shared else None)
-        on_layer(queries, state, layer)
+        late.push(lambda: on_layer(queries, state, layer))
 
     with hooked(modules, hook):
         yield cache
+        late.flush()
 
 
 class LayerChoices:
@@ -154,7 +218,8 @@ def compress_each_after_prefill(model, methods: list[Method], caches: list[Compr
     """One prefill for several methods. The forward writes to ``caches[0]``; right after each attention
     module's forward, every method chooses from that layer's full keys and values and its cache takes
     its kept entries (copied out), then the full layer is released unless a method keeps it whole. So
-    the peak is one full layer plus every method's compressed layers, and each method ends with the
+    the peak is one full layer (two where the compression runs beside the next layer's forward, on CUDA) plus
+    every method's compressed layers, and each method ends with the
     cache a prefill of its own would give. A model-wide method keeps its full layers until the context
     closes, then compresses every layer at once (``PrefillStats.peak_kv_bytes`` records it)."""
     n_layers = model.config.num_hidden_layers
@@ -162,8 +227,13 @@ def compress_each_after_prefill(model, methods: list[Method], caches: list[Compr
     choices = [LayerChoices(method, n_layers) for method in methods]
     prefill = caches[0]
 
+    def held_whole(layer_idx: int, layer) -> int:
+        """Bytes of full layers the prefill holds while layer ``layer_idx`` is compressed: that layer, and the next
+        where its forward ran first (``OneLayerLate``)."""
+        return layer.nbytes() + sum(later.nbytes() for later in prefill.layers[layer_idx + 1:])
+
     def compress(queries: dict[int, torch.Tensor], state: LayerState, layer) -> None:
-        full_bytes = layer.nbytes()
+        full_bytes = held_whole(state.layer_idx, layer)
         # The others first, while the layer is still whole; the cache the forward writes to last.
         for cell, choice in reversed(list(zip(cells, choices))):
             own = cell.cache.layers[state.layer_idx]
@@ -180,7 +250,7 @@ def compress_each_after_prefill(model, methods: list[Method], caches: list[Compr
 
     def keep_window(layer_idx: int, layer) -> None:
         """A sliding-window layer: every cell keeps the model's window, whatever its method."""
-        full_bytes = layer.nbytes()
+        full_bytes = held_whole(layer_idx, layer)
         for cell in reversed(cells):      # the cache the forward writes to last, as above
             own = cell.cache.layers[layer_idx]
             earlier = sum(done.nbytes() for done in cell.cache.layers[:layer_idx])

@@ -28,7 +28,9 @@
 # Knobs: CONTEXTS, METHODS (the full cache is always measured), BUDGETS, PRESETS, POOLS (decode pool sizes; empty:
 # no pools), REPEATS, ANALYSIS (the 32K perturbation analysis; default: only when CONTEXTS holds 32768), TESTS,
 # APPEND (add to the results file instead of starting it anew), EAGER=1 (pools without CUDA graphs), DECODE_TOKENS
-# (tokens decoded per row and pool, 32).
+# (tokens decoded per row and pool, 32), SERIAL=1 (each layer compressed right after its forward, on the forward's
+# stream, instead of beside the next layer's forward: the A/B of the overlap; rows say which in
+# compression_overlapped, and the report pairs only rows compressed alike).
 #
 # The machine brings torch (CUDA) and transformers; what else pcs's engine needs (hydra-core, omegaconf,
 # antlr4) is installed from wheels/ into a folder of its own, without touching the machine's packages.
@@ -88,6 +90,7 @@ bench_args=(--model llama31-shape --layers 32 --device cuda --methods $METHODS -
 [ -z "$PRESETS" ] || bench_args+=(--presets $PRESETS)
 [ -z "$POOLS" ] || bench_args+=(--pools $POOLS)
 [ "$EAGER" = 0 ] || bench_args+=(--eager)
+[ "${SERIAL:-0}" = 0 ] || bench_args+=(--serial-compression)
 
 [ "${APPEND:-0}" = 1 ] || [ -z "$CONTEXTS" ] || : > "$OUT_FILE"
 for context in $CONTEXTS; do   # one process per context: each context's rows land as soon as they are measured

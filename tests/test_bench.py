@@ -106,7 +106,17 @@ def test_bench_pairs_each_perturbation_row_with_attention_under_the_same_preset(
     assert f"{ratios[0]:.3f}x to {ratios[1]:.3f}x over 2 pairs" in line
     assert f"whole prefills' ratios {walls[0]:.3f}x to {walls[1]:.3f}x" in line
     assert "| perturbation (criticalkv) |" in report
-    assert "| 400 | snapkv | 128 | paper |" in report and "| 400 | snapkv | 128 | preset=criticalkv |" in report
+    assert "| 400 | snapkv | 128 | paper | after each layer |" in report
+    assert "| 400 | snapkv | 128 | preset=criticalkv | after each layer |" in report
+    # Rows whose compression ran beside the next layer's forward (CUDA) are compared by their whole prefills, and
+    # only with rows compressed the same way.
+    assert not any(r["compression_overlapped"] for r in rows)
+    beside = [dict(r, compression_overlapped=True) for r in rows]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows + beside))
+    main(["--report", str(path)])
+    lines = [x for x in capsys.readouterr().out.splitlines() if "| beside the next layer |" in x]
+    assert len(lines) == 2 and all(f"| {r['prefill_s'] / a['prefill_s']:.3f} | {r['prefill_s'] / a['prefill_s']:.3f} |"
+                                   in line for line, (r, a) in zip(lines, pairs))
 
 
 def test_gpu_readme_puts_a_devices_table_in_its_own_section_and_replaces_it(tmp_path):

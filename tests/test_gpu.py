@@ -103,6 +103,34 @@ def test_cuda_shared_prefill_gives_each_cell_its_own_result():
         assert got.token_ids == alone.token_ids and got.kv_cache_bytes == alone.kv_cache_bytes
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_cuda_compression_beside_the_next_layer_keeps_what_compression_after_it_keeps(arch, monkeypatch):
+    """On CUDA each layer is compressed on a second stream while the next layer's forward runs; every cell's cache
+    (entries, lengths, masks) is bit for bit what compressing each layer right after its forward, on the forward's
+    stream, gives."""
+    import pcs.compression
+    from pcs.compression import compress_each_after_prefill
+    model = tiny_model(arch).cuda()
+    ids = torch.randint(0, 256, (1, 900), generator=torch.Generator().manual_seed(7)).cuda()
+    built = [method(cell) for cell in CELLS]
+
+    def held():
+        caches = [CompressedCache.of(model.config) for _ in built]
+        with torch.no_grad(), compress_each_after_prefill(model, built, caches):
+            model(input_ids=ids, past_key_values=caches[0])
+        return [[[x.cpu() if torch.is_tensor(x) else x for x in layer.held()] for layer in cache.layers]
+                for cache in caches]
+
+    assert pcs.compression.overlaps(torch.device("cuda"))
+    beside = held()
+    monkeypatch.setattr(pcs.compression, "OVERLAP_ON_CUDA", False)
+    after = held()
+    for cell_beside, cell_after in zip(beside, after):
+        for layer_beside, layer_after in zip(cell_beside, cell_after):
+            for x, y in zip(layer_beside, layer_after):
+                assert torch.equal(x, y) if torch.is_tensor(x) else x == y
+
+
 def test_bench_runs_long_contexts_in_bfloat16():
     from pcs.bench import main
     assert main(["--model", "llama31-shape", "--layers", "2", "--contexts", "8192", "--device", "cuda",
