@@ -118,14 +118,16 @@ def profile_prefill(model, method, ids, path: Path) -> float:
     """One prefill plus compression under torch.profiler; writes its op table to ``path`` and returns
     the share of the time spent compressing (ops under the ``pcs.compress`` label)."""
     from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.device.type == "cuda" else [])
+    on_cuda = next(model.parameters()).device.type == "cuda"      # the prompt may still be on the host
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     with profile(activities=activities) as prof:
         greedy_generate(model, ids, method, 1, set())
     averages = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in averages)
     compress = sum(e.cpu_time_total for e in averages if e.key == "pcs.compress")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(averages.table(sort_by="self_cpu_time_total", row_limit=30))
+    path.write_text(averages.table(sort_by="self_cpu_time_total", row_limit=30)
+                    + ("\n" + averages.table(sort_by="self_cuda_time_total", row_limit=30) if on_cuda else ""))
     return compress / total if total else 0.0
 
 

@@ -89,9 +89,10 @@ def overlaps(device: torch.device) -> bool:
 
 @functools.cache
 def compression_stream(device: torch.device) -> torch.cuda.Stream:
-    """The device's one stream for compressions: the allocator caches memory per stream, so a new stream per
-    prefill would strand what the earlier ones freed."""
-    return torch.cuda.Stream(device)
+    """The device's one stream for compressions (the allocator caches memory per stream, so a new stream per
+    prefill would strand what the earlier ones freed), of high priority: its small kernels, which the host waits
+    for, take the next free multiprocessors instead of queueing behind the forward's large products."""
+    return torch.cuda.Stream(device, priority=-1)
 
 
 class OneLayerLate:

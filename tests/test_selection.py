@@ -129,6 +129,21 @@ def test_value_norms_equal_brute_force_whatever_the_tile():
         torch.testing.assert_close(norms[:, :29].double(), N, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_value_norms_are_float32_sums_of_the_products_absolute_values(dtype):
+    """The norm sums the half-precision product's absolute values in float32 without a float32 copy of the product
+    (a GPU reads it as it is); on this CPU the bits are those of converting the product first and summing."""
+    g = torch.Generator().manual_seed(4)
+    r, c, d, group, hidden, tile = 3, 200, 32, 4, 96, 64
+    values = torch.randn(r, c, d, generator=g).to(dtype)
+    weights = (torch.randn(r, d, group * hidden, generator=g) / 8).to(dtype)
+    padded = torch.cat([values, values.new_zeros(r, 256 - c, d)], 1)
+    want = torch.cat([torch.bmm(padded[:, s:s + tile], weights).float().abs().view(r, tile, group, hidden).sum(-1)
+                      for s in range(0, 256, tile)], 1)[:, :c].transpose(1, 2)
+    got = projected_value_norms(values, weights, group, tile)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
 def test_an_entrys_norm_does_not_depend_on_the_rows_scored_with_it():
     """Bounded and exhaustive stage 2 score different sets of entries, one KV head at a time (CPU) or all at once
     (accelerators); each entry's norm must be the same bits."""

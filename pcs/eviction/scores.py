@@ -213,9 +213,12 @@ def projected_value_norms(values: torch.Tensor, weights: torch.Tensor, group: in
     padded[:, :c] = values
     norms = torch.empty(r, n_tiles * tile, group, dtype=torch.float32, device=values.device)
     for start in range(0, n_tiles * tile, tile):
-        # One unnamed (r, tile, group * hidden) product at a time: a named one would live on beside the next.
-        norms[:, start:start + tile] = torch.bmm(padded[:, start:start + tile], weights).float().abs_() \
-            .view(r, tile, group, -1).sum(-1)
+        # One unnamed (r, tile, group * hidden) product at a time: a named one would live on beside the next. The
+        # absolute value is exact in the product's dtype, and the sum accumulates in float32: on a GPU the sum
+        # reads the half-precision product itself (no float32 copy of it, the largest temporary stage 2 makes);
+        # on a CPU it converts first, as ``.float()`` did, so the bits are those of summing float32 values.
+        norms[:, start:start + tile] = torch.bmm(padded[:, start:start + tile], weights).abs_() \
+            .view(r, tile, group, -1).sum(-1, dtype=torch.float32)
     return norms[:, :c].transpose(1, 2)
 
 
