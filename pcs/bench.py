@@ -317,8 +317,9 @@ def run(args) -> list[dict]:
     configuration once, so that slow drift of the machine falls on all configurations alike. Each row is printed
     as soon as its last round is measured, so a run stopped at a time limit keeps the rows before it."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    compression.OVERLAP_ON_CUDA = not args.serial_compression
-    overlapped = compression.overlaps(torch.device(device))
+    if args.layers_behind is not None:
+        compression.LAYERS_BEHIND_ON_CUDA = args.layers_behind
+    behind = compression.layers_behind(torch.device(device))
     model = build_model(args.model, args.layers, device, args.model_path)
     weights = weight_bytes(model)
     built = build_configurations(args)
@@ -348,7 +349,7 @@ def run(args) -> list[dict]:
             row = {"model": args.model, "device": device, "device_name": device_name(device),
                    "layers": model.config.num_hidden_layers, "method": config.method, "selection": config.selection,
                    "budget": config.budget, "preset": config.preset, "context": context, "repeats": args.repeats,
-                   "compression_overlapped": overlapped, **result,
+                   "compression_layers_behind": behind, **result,
                    "decode_bound": (weights + result["kv_bytes_full"]) / (weights + result["kv_bytes"]),
                    "decode_speedup": base["decode_ms_per_token"] / result["decode_ms_per_token"]}
             rows.append(row)
@@ -417,6 +418,10 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def behind_label(layers: int) -> str:
+    return "after each layer" if not layers else f"{layers} layer{'s' if layers > 1 else ''} behind"
+
+
 def selection_table(rows: list[dict]) -> str:
     """Perturbation over attention selection per (context, method, budget, conventions): the compressions' seconds,
     the ratio of prefill plus compression (``selection_overheads``) and of the whole prefills, and stage 2's work."""
@@ -433,7 +438,7 @@ def selection_table(rows: list[dict]) -> str:
         share = lambda key: f"{100 * r[key]:.1f} %" if key in r else "-"
         lines.append(f"| {r['context']} | {r['method']} | {r['budget']} | "
                      f"{'preset=' + r['preset'] if r.get('preset') else 'paper'} | "
-                     f"{'beside the next layer' if r.get('compression_overlapped') else 'after each layer'} | "
+                     f"{behind_label(r.get('compression_layers_behind', 0))} | "
                      f"{times} | {o.ratio:.3f} | "
                      f"{o.wall_ratio:.3f} | {share('stage2_exact_share')} | {share('stage2_gram_share')} | "
                      f"{share('stage2_certified_share')} | {share('stage2_widened_share')} |")
@@ -461,9 +466,9 @@ class Overhead:
         """Prefill plus compression over the attention row's. Where both rows timed their compression
         (``compress_s``) it is ``(P_a - C_a + C_p) / P_a``: the forward is the same work under both selections, so
         the difference of the compressions' medians measures the overhead without the forward's noise, which on a
-        busy CPU is larger than the overhead itself. Where the compression ran beside the forward (CUDA's
-        ``compression_overlapped``), its seconds are not added to the prefill's: the whole prefills' ratio."""
-        if "compress_s" not in self.row or "compress_s" not in self.base or self.row.get("compression_overlapped"):
+        busy CPU is larger than the overhead itself. Where the compression ran behind the forward, beside it (CUDA's
+        ``compression_layers_behind``), its seconds are not added to the prefill's: the whole prefills' ratio."""
+        if "compress_s" not in self.row or "compress_s" not in self.base or self.row.get("compression_layers_behind"):
             return self.wall_ratio
         return (self.base["prefill_s"] - self.base["compress_s"] + self.row["compress_s"]) / self.base["prefill_s"]
 
@@ -471,7 +476,7 @@ class Overhead:
 def selection_overheads(rows: list[dict]) -> list[Overhead]:
     """Each perturbation row paired with the attention row under the same conventions."""
     def key(r):
-        return r["context"], r["method"], r["budget"], r.get("preset"), r.get("compression_overlapped", False)
+        return r["context"], r["method"], r["budget"], r.get("preset"), r.get("compression_layers_behind", 0)
     attention = {key(r): r for r in rows if r["selection"] == "attention"}
     return [Overhead(r, attention[key(r)]) for r in rows if r["selection"] == "perturbation" and key(r) in attention]
 
@@ -536,8 +541,9 @@ def parse(argv=None):
     parser.add_argument("--pools", type=int, nargs="+", default=[], help="also decode with pools of these many "
                         "sequences (copies of the prompt's compressed cache): ms per step and tokens per second")
     parser.add_argument("--eager", action="store_true", help="on CUDA, pools decode without CUDA graphs")
-    parser.add_argument("--serial-compression", action="store_true", help="on CUDA, compress each layer right after "
-                        "its forward, on the forward's stream, instead of beside the next layer's forward")
+    parser.add_argument("--layers-behind", type=int, help="on CUDA, how many layers behind the forward each layer is "
+                        "compressed, on a stream of its own (default: pcs.compression.LAYERS_BEHIND_ON_CUDA; 0: right "
+                        "after its own forward, on the forward's stream)")
     parser.add_argument("--project", metavar="OVERRIDE", nargs="+", help="print the GPU-hours a sweep would take "
                         "(e.g. experiment=table1), from --bench's measured costs; measures nothing")
     parser.add_argument("--bench", metavar="JSONL", help="--project: the bench results to project from")

@@ -9,6 +9,7 @@ every layer (``compress_each_after_prefill``).
 """
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from contextlib import contextmanager
@@ -77,14 +78,15 @@ def compressed_layers(cache: CompressedCache) -> tuple[int, ...]:
     return tuple(full_attention_layers(cache.windows))
 
 
-# Whether a prefill on CUDA compresses each layer while the next layer's forward runs (``OneLayerLate``); False: right
-# after the layer's own forward, on the forward's stream, as on a CPU (the bench's --serial-compression).
-OVERLAP_ON_CUDA = True
+# How many layers behind the forward a prefill on CUDA compresses (``LaggedCompression``); 0: each layer right after
+# its own forward, on the forward's stream, as on a CPU (the bench's --serial-compression). Each layer behind holds
+# one more full layer during the prefill.
+LAYERS_BEHIND_ON_CUDA = 2
 
 
-def overlaps(device: torch.device) -> bool:
-    """Whether a prefill on ``device`` compresses each layer one layer late, on a stream of its own."""
-    return device.type == "cuda" and OVERLAP_ON_CUDA
+def layers_behind(device: torch.device) -> int:
+    """How many layers behind the forward a prefill on ``device`` compresses, on a stream of its own."""
+    return LAYERS_BEHIND_ON_CUDA if device.type == "cuda" else 0
 
 
 @functools.cache
@@ -95,33 +97,34 @@ def compression_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device, priority=-1)
 
 
-class OneLayerLate:
-    """Each layer's compression, in layer order. Where ``overlaps`` it runs one layer late on a second CUDA stream:
-    queued once the next layer's attention is queued, it waits (an event) only for its own layer's forward, and
-    the host's reads inside it (budgets, stage 2's bounds) wait for the selection alone while the GPU still runs
-    the next layer. The forward's stream then waits for the selection before its next work, so the two streams
-    never touch the same memory at once and every tensor either allocates is ordered after the other's use of
-    it. Elsewhere each layer's work runs at once, as if this were not here."""
+class LaggedCompression:
+    """Each layer's compression, in layer order, ``layers_behind`` layers behind the forward on a second CUDA
+    stream. Layer l's is queued once layer l + behind's attention is queued; it waits (an event) only for its own
+    layer's forward, so the host's reads inside it (budgets, stage 2's bounds) wait for the selection alone while
+    the GPU still has ``behind`` layers of forward to run, and the host's launches for the selection overlap them.
+    The forward's stream then waits for the selection before its next work, so every tensor either stream
+    allocates is ordered after the other's use of it. At 0 layers behind each layer's work runs at once, as if
+    this were not here."""
 
-    def __init__(self, device: torch.device):
-        self.lagging = overlaps(device)
-        self.stream = compression_stream(device) if self.lagging and device.type == "cuda" else None
-        self.pending = None
+    def __init__(self, device: torch.device, behind: int | None = None):
+        self.behind = layers_behind(device) if behind is None else behind
+        self.stream = compression_stream(device) if self.behind and device.type == "cuda" else None
+        self.pending: collections.deque = collections.deque()
 
     def push(self, work) -> None:
-        if not self.lagging:
+        if not self.behind:
             work()
             return
         ready = None
         if self.stream is not None:
             ready = torch.cuda.Event()
             ready.record()                   # the layer's forward and its window's queries, on the forward's stream
-        earlier, self.pending = self.pending, (work, ready)
-        if earlier is not None:
-            self.run(*earlier)
+        self.pending.append((work, ready))
+        if len(self.pending) > self.behind:
+            self.run(*self.pending.popleft())
 
     def run(self, work, ready) -> None:
-        if self.stream is None:              # lagging without a second stream: only a test's reordering
+        if self.stream is None:              # behind without a second stream: only a test's reordering on a CPU
             work()
             return
         forward = torch.cuda.current_stream()
@@ -131,10 +134,9 @@ class OneLayerLate:
         forward.wait_stream(self.stream)
 
     def flush(self) -> None:
-        """The last layer's work: the forward is over."""
-        if self.pending is not None:
-            earlier, self.pending = self.pending, None
-            self.run(*earlier)
+        """The last layers' work: the forward is over."""
+        while self.pending:
+            self.run(*self.pending.popleft())
 
 
 @contextmanager
@@ -145,11 +147,11 @@ def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer, o
     queries are computed on their own, as a lone prefill with that window would. ``shared``: the state carries
     a ``SharedScores`` for the methods that all compress the layer (a group of runs). After a sliding-window
     layer's forward, ``on_sliding(layer_idx, cache_layer)`` runs instead (None: the layer stays as it is). On CUDA
-    both run one layer late, beside the next layer's forward (``OneLayerLate``); all have run when the context
-    exits without an error."""
+    both run a few layers late, beside the forward of the next (``LaggedCompression``); all have run when the
+    context exits without an error."""
     modules = attention_modules(model)
     compressed = compressed_layers(cache)
-    late = OneLayerLate(next(model.parameters()).device)
+    late = LaggedCompression(next(model.parameters()).device)
 
     def hook(module, args, kwargs, output):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
@@ -219,7 +221,7 @@ def compress_each_after_prefill(model, methods: list[Method], caches: list[Compr
     """One prefill for several methods. The forward writes to ``caches[0]``; right after each attention
     module's forward, every method chooses from that layer's full keys and values and its cache takes
     its kept entries (copied out), then the full layer is released unless a method keeps it whole. So
-    the peak is one full layer (two where the compression runs beside the next layer's forward, on CUDA) plus
+    the peak is one full layer (more where the compression runs behind the forward, on CUDA) plus
     every method's compressed layers, and each method ends with the
     cache a prefill of its own would give. A model-wide method keeps its full layers until the context
     closes, then compresses every layer at once (``PrefillStats.peak_kv_bytes`` records it)."""
@@ -230,7 +232,7 @@ def compress_each_after_prefill(model, methods: list[Method], caches: list[Compr
 
     def held_whole(layer_idx: int, layer) -> int:
         """Bytes of full layers the prefill holds while layer ``layer_idx`` is compressed: that layer, and the next
-        where its forward ran first (``OneLayerLate``)."""
+        ones whose forward ran first (``LaggedCompression``)."""
         return layer.nbytes() + sum(later.nbytes() for later in prefill.layers[layer_idx + 1:])
 
     def compress(queries: dict[int, torch.Tensor], state: LayerState, layer) -> None:

@@ -26,12 +26,13 @@
 # H200 (2026-11-26, second session) 8K's first 15 rows took 130 s, 32K with METHODS=snapkv and criticalkv 9 rows 110 s:
 #   TESTS=0 CONTEXTS=8192 METHODS="snapkv pyramidkv adakv" POOLS= REPEATS=2 DECODE_TOKENS=2 bash scripts/gpu_check.sh
 #   TESTS=0 APPEND=1 CONTEXTS=32768 METHODS="snapkv pyramidkv adakv" POOLS= REPEATS=2 DECODE_TOKENS=2 ANALYSIS=0 ...
+# and the overlap's A/B in the same lease: TESTS=0 APPEND=1 CONTEXTS=8192 METHODS=snapkv PRESETS= BEHIND=0 (then 1) ...
 # Knobs: CONTEXTS, METHODS (the full cache is always measured), BUDGETS, PRESETS, POOLS (decode pool sizes; empty:
 # no pools), REPEATS, ANALYSIS (the 32K perturbation analysis; default: only when CONTEXTS holds 32768), TESTS,
 # APPEND (add to the results file instead of starting it anew), EAGER=1 (pools without CUDA graphs), DECODE_TOKENS
-# (tokens decoded per row and pool, 32), SERIAL=1 (each layer compressed right after its forward, on the forward's
-# stream, instead of beside the next layer's forward: the A/B of the overlap; rows say which in
-# compression_overlapped, and the report pairs only rows compressed alike).
+# (tokens decoded per row and pool, 32), BEHIND (how many layers behind the forward each layer is compressed, on a
+# stream of its own; 0: right after its forward, on the forward's stream: the A/B of the overlap; rows say which in
+# compression_layers_behind, and the report pairs only rows compressed alike).
 #
 # The machine brings torch (CUDA) and transformers; what else pcs's engine needs (hydra-core, omegaconf,
 # antlr4) is installed from wheels/ into a folder of its own, without touching the machine's packages.
@@ -91,7 +92,7 @@ bench_args=(--model llama31-shape --layers 32 --device cuda --methods $METHODS -
 [ -z "$PRESETS" ] || bench_args+=(--presets $PRESETS)
 [ -z "$POOLS" ] || bench_args+=(--pools $POOLS)
 [ "$EAGER" = 0 ] || bench_args+=(--eager)
-[ "${SERIAL:-0}" = 0 ] || bench_args+=(--serial-compression)
+[ -z "${BEHIND:-}" ] || bench_args+=(--layers-behind "$BEHIND")
 
 [ "${APPEND:-0}" = 1 ] || [ -z "$CONTEXTS" ] || : > "$OUT_FILE"
 for context in $CONTEXTS; do   # one process per context: each context's rows land as soon as they are measured

@@ -108,13 +108,13 @@ def test_bench_pairs_each_perturbation_row_with_attention_under_the_same_preset(
     assert "| perturbation (criticalkv) |" in report
     assert "| 400 | snapkv | 128 | paper | after each layer |" in report
     assert "| 400 | snapkv | 128 | preset=criticalkv | after each layer |" in report
-    # Rows whose compression ran beside the next layer's forward (CUDA) are compared by their whole prefills, and
+    # Rows whose compression ran behind the forward, beside it (CUDA), are compared by their whole prefills, and
     # only with rows compressed the same way.
-    assert not any(r["compression_overlapped"] for r in rows)
-    beside = [dict(r, compression_overlapped=True) for r in rows]
+    assert not any(r["compression_layers_behind"] for r in rows)
+    beside = [dict(r, compression_layers_behind=2) for r in rows]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows + beside))
     main(["--report", str(path)])
-    lines = [x for x in capsys.readouterr().out.splitlines() if "| beside the next layer |" in x]
+    lines = [x for x in capsys.readouterr().out.splitlines() if "| 2 layers behind |" in x]
     assert len(lines) == 2 and all(f"| {r['prefill_s'] / a['prefill_s']:.3f} | {r['prefill_s'] / a['prefill_s']:.3f} |"
                                    in line for line, (r, a) in zip(lines, pairs))
 

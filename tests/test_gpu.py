@@ -105,9 +105,9 @@ def test_cuda_shared_prefill_gives_each_cell_its_own_result():
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_cuda_compression_beside_the_next_layer_keeps_what_compression_after_it_keeps(arch, monkeypatch):
-    """On CUDA each layer is compressed on a second stream while the next layer's forward runs; every cell's cache
-    (entries, lengths, masks) is bit for bit what compressing each layer right after its forward, on the forward's
-    stream, gives."""
+    """On CUDA each layer is compressed on a second stream, behind the forward, while the next layers' forward runs;
+    every cell's cache (entries, lengths, masks) is bit for bit what compressing each layer right after its forward,
+    on the forward's stream, gives."""
     import pcs.compression
     from pcs.compression import compress_each_after_prefill
     model = tiny_model(arch).cuda()
@@ -121,9 +121,9 @@ def test_cuda_compression_beside_the_next_layer_keeps_what_compression_after_it_
         return [[[x.cpu() if torch.is_tensor(x) else x for x in layer.held()] for layer in cache.layers]
                 for cache in caches]
 
-    assert pcs.compression.overlaps(torch.device("cuda"))
+    assert pcs.compression.layers_behind(torch.device("cuda")) > 0
     beside = held()
-    monkeypatch.setattr(pcs.compression, "OVERLAP_ON_CUDA", False)
+    monkeypatch.setattr(pcs.compression, "LAYERS_BEHIND_ON_CUDA", 0)
     after = held()
     for cell_beside, cell_after in zip(beside, after):
         for layer_beside, layer_after in zip(cell_beside, cell_after):

@@ -78,32 +78,34 @@ def test_the_shared_prefill_holds_one_full_layer_beside_the_compressed_ones():
             assert layer.keys is None and layer.is_buffered
 
 
+@pytest.mark.parametrize("behind", [1, 2])
 @pytest.mark.parametrize("question", [False, True])
-def test_compressing_each_layer_one_layer_late_changes_nothing_but_the_peak(arch, question, monkeypatch):
-    """What CUDA's overlapped compression does, in order and on one stream: layer l chosen once layer l + 1's
+def test_compressing_layers_behind_the_forward_changes_nothing_but_the_peak(arch, question, behind, monkeypatch):
+    """What CUDA's overlapped compression does, in order and on one stream: layer l chosen once layer l + behind's
     forward ran. Every cell's answer, logits, cache and sizes are those of compressing at once; only the peak may
-    grow, by at most one full layer (the next layer's, whole while layer l is chosen)."""
+    grow, by at most ``behind`` full layers (the next ones, whole while layer l is chosen)."""
     import pcs.compression
     model = tiny_model(arch)
     ids = torch.randint(0, 256, (1, 120), generator=torch.Generator().manual_seed(5))
     q = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(6)) if question else None
     built = methods()
     at_once = greedy_generate_each(model, ids, built, 10, set(), question_ids=q)
-    monkeypatch.setattr(pcs.compression, "overlaps", lambda device: True)
+    monkeypatch.setattr(pcs.compression, "layers_behind", lambda device: behind)
     late = greedy_generate_each(model, ids, built, 10, set(), question_ids=q)
     full = 2 * model.config.num_key_value_heads * ids.shape[1] * head_dim(model.config) * model.dtype.itemsize
     for now, then in zip(at_once, late):
         assert {k: v for k, v in comparable(then).items() if k != "peak_kv_bytes"} == \
             {k: v for k, v in comparable(now).items() if k != "peak_kv_bytes"}
-        assert now.peak_kv_bytes <= then.peak_kv_bytes <= now.peak_kv_bytes + full
+        assert now.peak_kv_bytes <= then.peak_kv_bytes <= now.peak_kv_bytes + behind * full
     assert any(then.peak_kv_bytes > now.peak_kv_bytes for now, then in zip(at_once, late))
 
 
-def test_one_layer_late_never_holds_a_third_full_layer(monkeypatch):
-    """Compressing one layer late, the prefill cache holds at most the layer being computed and the one before it
-    whole at any layer's forward."""
+@pytest.mark.parametrize("behind", [1, 2])
+def test_compressing_behind_the_forward_holds_no_more_full_layers_than_it_is_behind(behind, monkeypatch):
+    """Compressing ``behind`` layers late, at any layer's forward the prefill cache holds whole only the layer being
+    computed and the ``behind`` before it."""
     import pcs.compression
-    monkeypatch.setattr(pcs.compression, "overlaps", lambda device: True)
+    monkeypatch.setattr(pcs.compression, "layers_behind", lambda device: behind)
     model = tiny_model("llama")
     built = methods()[:5]                      # layer-by-layer methods only
     caches = [CompressedCache.of(model.config) for _ in built]
@@ -119,7 +121,7 @@ def test_one_layer_late_never_holds_a_third_full_layer(monkeypatch):
     finally:
         for h in handles:
             h.remove()
-    assert seen == [[]] + [[l - 1] for l in range(1, len(seen))]     # the layer before, still whole, and no other
+    assert seen == [list(range(max(0, l - behind), l)) for l in range(len(seen))]
     assert all(layer.keys is None and layer.is_buffered for cache in caches for layer in cache.layers)
 
 
