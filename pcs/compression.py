@@ -129,9 +129,11 @@ class LaggedCompression:
             return
         forward = torch.cuda.current_stream()
         self.stream.wait_event(ready)
-        with torch.cuda.stream(self.stream):
-            work()
-        forward.wait_stream(self.stream)
+        try:
+            with torch.cuda.stream(self.stream):
+                work()
+        finally:       # also when the work fails (out of memory): what it queued is done before the forward reuses
+            forward.wait_stream(self.stream)        # the memory it freed
 
     def flush(self) -> None:
         """The last layers' work: the forward is over."""
