@@ -129,10 +129,12 @@ def test_value_norms_equal_brute_force_whatever_the_tile():
         torch.testing.assert_close(norms[:, :29].double(), N, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_value_norms_are_float32_sums_of_the_products_absolute_values(dtype):
-    """The norm sums the half-precision product's absolute values in float32 without a float32 copy of the product
-    (a GPU reads it as it is); on this CPU the bits are those of converting the product first and summing."""
+def test_value_norms_are_float32_sums_of_the_products_absolute_values(dtype, fused):
+    """The norm sums the product's absolute values in float32. The CPU's plan gives the bits of converting the
+    product first and summing (those the committed results were computed with); an accelerator's (``fused``, one
+    reduction that upcasts as it reads, run here on the CPU) agrees to float32's rounding."""
     g = torch.Generator().manual_seed(4)
     r, c, d, group, hidden, tile = 3, 200, 32, 4, 96, 64
     values = torch.randn(r, c, d, generator=g).to(dtype)
@@ -140,8 +142,13 @@ def test_value_norms_are_float32_sums_of_the_products_absolute_values(dtype):
     padded = torch.cat([values, values.new_zeros(r, 256 - c, d)], 1)
     want = torch.cat([torch.bmm(padded[:, s:s + tile], weights).float().abs().view(r, tile, group, hidden).sum(-1)
                       for s in range(0, 256, tile)], 1)[:, :c].transpose(1, 2)
-    got = projected_value_norms(values, weights, group, tile)
-    assert got.dtype == torch.float32 and torch.equal(got, want)
+    got = projected_value_norms(values, weights, group, tile, fused)
+    assert got.dtype == torch.float32
+    if fused:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    else:
+        assert torch.equal(got, want)
+    assert norm_plan(r, c, d, group, hidden, dtype, torch.device("cpu")).fused is False
 
 
 def test_an_entrys_norm_does_not_depend_on_the_rows_scored_with_it():
@@ -150,10 +157,11 @@ def test_an_entrys_norm_does_not_depend_on_the_rows_scored_with_it():
     layer = random_layer(9, n=300, d=16, hidden=96)
     n_kv = layer.values.shape[0]
     weights = group_weights(layer.o_proj_weight, n_kv, 16)
-    every = projected_value_norms(layer.values[:1], weights[:1], 3, 32)
-    some = torch.tensor([299, 3, 150, 151, 7, 64])
-    assert torch.equal(projected_value_norms(layer.values[:1, some], weights[:1], 3, 32), every[..., some])
-    assert torch.equal(projected_value_norms(layer.values, weights, 3, 32)[:1], every)
+    for fused in (False, True):
+        every = projected_value_norms(layer.values[:1], weights[:1], 3, 32, fused)
+        some = torch.tensor([299, 3, 150, 151, 7, 64])
+        assert torch.equal(projected_value_norms(layer.values[:1, some], weights[:1], 3, 32, fused), every[..., some])
+        assert torch.equal(projected_value_norms(layer.values, weights, 3, 32, fused)[:1], every)
 
 
 def test_top_eigenvalue_bound_is_above_the_eigensolvers_and_close_to_it():

@@ -174,9 +174,12 @@ def batches_rows(device: torch.device) -> bool:
 @dataclass(frozen=True)
 class NormPlan:
     """How ``projected_value_norms`` goes through a layer: ``together`` rows per batched product, ``tile``
-    entries per product."""
+    entries per product, and whether each product's L1 norms are one reduction that reads the product in its own
+    dtype (``fused``: an accelerator, where the products' memory traffic is what costs) or its absolute values
+    summed in float32 (a CPU, whose bits the committed results were computed with)."""
     together: int
     tile: int
+    fused: bool = False
 
 
 def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.dtype,
@@ -184,7 +187,8 @@ def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.d
     """The plan for a layer of ``n`` entries, its values held as ``rows`` rows of (n, d): one row at a time on a
     CPU, every row at once on an accelerator (``batches_rows``); about n / 32 entries per product (a power of
     two, at least 32; at least ``ACCELERATOR_TILE`` on an accelerator), at most what keeps the (together, tile,
-    group * hidden) product and its float32 copy within half of the layer's values' bytes (on a CPU, so the
+    group * hidden) product and a float32 copy (which only a CPU's sum makes) within half of the layer's values'
+    bytes (on a CPU, so the
     temporaries stay within one layer's keys and values) or within ``ACCELERATOR_PRODUCT_BYTES`` (on an
     accelerator). It follows the layer's shape and device
     alone: every method that scores the layer (alone or sharing a prefill, every entry or the bounded stage 2's
@@ -194,10 +198,12 @@ def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.d
     together, tile = 1, max(32, 1 << max(0, n // 32 - 1).bit_length())
     if batches_rows(device):
         together, budget, tile = rows, max(budget, ACCELERATOR_PRODUCT_BYTES), max(tile, ACCELERATOR_TILE)
-    return NormPlan(together, min(tile, rows_per_chunk(budget, together * group * hidden, dtype)))
+    return NormPlan(together, min(tile, rows_per_chunk(budget, together * group * hidden, dtype)),
+                    fused=batches_rows(device))
 
 
-def projected_value_norms(values: torch.Tensor, weights: torch.Tensor, group: int, tile: int) -> torch.Tensor:
+def projected_value_norms(values: torch.Tensor, weights: torch.Tensor, group: int, tile: int,
+                          fused: bool = False) -> torch.Tensor:
     """``||v_i W^O_h||_1`` for (r, c, d) value rows ``v_i`` of r rows (KV heads, or query heads) and each row's
     ``group`` query heads' slices ``W^O_h`` side by side (``group_weights``, (r, d, group * hidden))
     -> (r, group, c) float32.
@@ -205,7 +211,7 @@ def projected_value_norms(values: torch.Tensor, weights: torch.Tensor, group: in
     The entries go through the product ``tile`` at a time, the last tile padded with zeros: every entry's norm
     comes from the same (r, tile, d) x (r, d, group * hidden) product whichever other entries are scored with
     it, so an entry's score does not depend on the set it is scored in (exhaustive or bounded stage 2), bit for
-    bit.
+    bit. ``fused`` (``NormPlan.fused``): the L1 norm in one reduction, accumulated in float32.
     """
     r, c, d = values.shape
     n_tiles = -(-c // tile)
@@ -213,12 +219,13 @@ def projected_value_norms(values: torch.Tensor, weights: torch.Tensor, group: in
     padded[:, :c] = values
     norms = torch.empty(r, n_tiles * tile, group, dtype=torch.float32, device=values.device)
     for start in range(0, n_tiles * tile, tile):
-        # One unnamed (r, tile, group * hidden) product at a time: a named one would live on beside the next. The
-        # absolute value is exact in the product's dtype, and the sum accumulates in float32: on a GPU the sum
-        # reads the half-precision product itself (no float32 copy of it, the largest temporary stage 2 makes);
-        # on a CPU it converts first, as ``.float()`` did, so the bits are those of summing float32 values.
-        norms[:, start:start + tile] = torch.bmm(padded[:, start:start + tile], weights).abs_() \
-            .view(r, tile, group, -1).sum(-1, dtype=torch.float32)
+        # One unnamed (r, tile, group * hidden) product at a time: a named one would live on beside the next.
+        product = torch.bmm(padded[:, start:start + tile], weights).view(r, tile, group, -1)
+        if fused:       # one pass over the half-precision product, upcast as it is read: no float32 copy
+            norms[:, start:start + tile] = torch.linalg.vector_norm(product, ord=1, dim=-1, dtype=torch.float32)
+        else:           # the absolute value is exact in any dtype; the sum converts to float32 first on a CPU
+            norms[:, start:start + tile] = product.abs_().sum(-1, dtype=torch.float32)
+        del product
     return norms[:, :c].transpose(1, 2)
 
 
@@ -255,6 +262,6 @@ class SharedScores:
                 heads = torch.arange(r, min(r + together, rows), device=self.values.device) * n_kv // rows
                 return self.values[r:r + together] if rows == n_kv else self.values[heads]
             self._norms[group] = torch.cat([
-                projected_value_norms(values(r), weights[r:r + together], group, plan.tile)
+                projected_value_norms(values(r), weights[r:r + together], group, plan.tile, plan.fused)
                 for r in range(0, rows, together)]).flatten(0, 1)
         return self._norms[group]

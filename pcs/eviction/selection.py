@@ -172,7 +172,7 @@ class Stage2:
         # bits in all.
         plan = norm_plan(self.rows, self.m + ws.window, self.d, self.group, self.hidden, ws.prefix_values.dtype,
                          self.device)
-        self.together, self.tile = plan.together, plan.tile
+        self.together, self.tile, self.fused = plan.together, plan.tile, plan.fused
         self.shared_norms = None if ws.shared is None else \
             ws.shared.value_norms(self.group)[:, :self.m].view(self.rows, self.group, self.m)
         self.slack = (1 + torch.finfo(ws.prefix_values.dtype).eps) * (1 + ROUNDING)
@@ -208,7 +208,8 @@ class Stage2:
             rows = slice(r, r + self.together)
             n = values.shape[1] if sizes is None else max(sizes[rows])
             if n:
-                norms[rows, :, :n] = projected_value_norms(values[rows, :n], weights[rows], self.group, self.tile)
+                norms[rows, :, :n] = projected_value_norms(values[rows, :n], weights[rows], self.group, self.tile,
+                                                           self.fused)
         return self.selection.combine(attention, norms)
 
     def exhaustive(self) -> torch.Tensor:
