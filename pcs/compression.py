@@ -79,7 +79,7 @@ def compressed_layers(cache: CompressedCache) -> tuple[int, ...]:
 
 
 # How many layers behind the forward a prefill on CUDA compresses (``LaggedCompression``); 0: each layer right after
-# its own forward, on the forward's stream, as on a CPU (the bench's --serial-compression). Each layer behind holds
+# its own forward, on the forward's stream, as on a CPU (the bench's --layers-behind 0). Each layer behind holds
 # one more full layer during the prefill.
 LAYERS_BEHIND_ON_CUDA = 2
 
@@ -106,8 +106,8 @@ class LaggedCompression:
     allocates is ordered after the other's use of it. At 0 layers behind each layer's work runs at once, as if
     this were not here."""
 
-    def __init__(self, device: torch.device, behind: int | None = None):
-        self.behind = layers_behind(device) if behind is None else behind
+    def __init__(self, device: torch.device):
+        self.behind = layers_behind(device)
         self.stream = compression_stream(device) if self.behind and device.type == "cuda" else None
         self.pending: collections.deque = collections.deque()
 
