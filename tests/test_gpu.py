@@ -104,7 +104,7 @@ def test_cuda_shared_prefill_gives_each_cell_its_own_result():
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_cuda_compression_beside_the_next_layer_keeps_what_compression_after_it_keeps(arch, monkeypatch):
+def test_cuda_compression_behind_the_forward_keeps_what_compression_after_each_layer_keeps(arch, monkeypatch):
     """On CUDA each layer is compressed on a second stream, behind the forward, while the next layers' forward runs;
     every cell's cache (entries, lengths, masks) is bit for bit what compressing each layer right after its forward,
     on the forward's stream, gives."""
