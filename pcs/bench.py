@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import compression
 from .compression import CompressionStats
@@ -127,8 +128,31 @@ def profile_prefill(model, method, ids, path: Path) -> float:
     compress = sum(e.cpu_time_total for e in averages if e.key == "pcs.compress")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(averages.table(sort_by="self_cpu_time_total", row_limit=30)
-                    + ("\n" + averages.table(sort_by="self_cuda_time_total", row_limit=30) if on_cuda else ""))
+                    + ("\n" + averages.table(sort_by="self_cuda_time_total", row_limit=30) if on_cuda else "")
+                    + "\n" + compression_breakdown(prof.events()))
     return compress / total if total else 0.0
+
+
+def compression_breakdown(events) -> str:
+    """What the ops inside the ``pcs.compress`` spans did, per operator: calls, kernels they launched and those
+    kernels' device time (the whole-prefill tables above mix them with the forward's), per compressed layer."""
+    totals: dict[str, list] = {}
+    spans = [e for e in events if e.name == "pcs.compress"]
+
+    def walk(event):
+        for child in event.cpu_children:
+            calls_kernels_ms = totals.setdefault(child.name, [0, 0, 0.0])
+            calls_kernels_ms[0] += 1
+            calls_kernels_ms[1] += len(child.kernels)
+            calls_kernels_ms[2] += child.self_device_time_total / 1000
+            walk(child)
+    for span in spans:
+        walk(span)
+    layers = max(1, len(spans))
+    lines = [f"Inside pcs.compress, per compressed layer ({len(spans)} spans): operator, calls, kernels, device ms",
+             *(f"{name:<48} {calls / layers:8.1f} {kernels / layers:8.1f} {ms / layers:9.3f}"
+               for name, (calls, kernels, ms) in sorted(totals.items(), key=lambda kv: (-kv[1][2], -kv[1][0])))]
+    return "\n".join(lines) + "\n"
 
 
 ATTENTION_OP = "aten::scaled_dot_product_attention"
@@ -146,6 +170,50 @@ def attention_calls_per_token(model, method, ids, steps: int = 4) -> float:
         greedy_generate(model, ids, method, steps + 1, set())
     calls = sum(e.count for e in prof.key_averages() if e.key == ATTENTION_OP)
     return (calls - model.config.num_hidden_layers) / steps
+
+
+# Operations that dispatch no work to a device: views, allocations, conjugation flags.
+NO_WORK_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach",
+               "resolve_conj", "resolve_neg", "alias"}
+
+
+class CompressionOps:
+    """Operations a method's compression (its ``keep``, layer by layer) dispatches while active, views and
+    allocations aside. On a GPU each is at least one kernel launch or copy the host issues, so this counts what a
+    prefill's host spends on compressing, deterministically where timings are noisy; a selection whose count grows
+    with the prompt would cost launches per token on an accelerator. Only ``keep`` runs under the counting
+    dispatch mode: the forward around it runs as it would."""
+
+    def __init__(self, method):
+        self.method, self.ops, self.layers = method, 0, 0
+
+    @property
+    def per_layer(self) -> float:
+        return self.ops / max(1, self.layers)
+
+    def __enter__(self):
+        keep = type(self.method).keep
+
+        def counted(layer):
+            self.layers += 1
+            with _OpCounter(self):
+                return keep(self.method, layer)
+        self.method.keep = counted
+        return self
+
+    def __exit__(self, *exc):
+        del self.method.keep
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self, owner: CompressionOps):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func._overloadpacket.__name__ not in NO_WORK_OPS:
+            self.owner.ops += 1
+        return func(*args, **(kwargs or {}))
 
 
 class CompressionClock:
@@ -336,7 +404,9 @@ def run(args) -> list[dict]:
         for (config, method), runs in zip(built, samples):
             runs.append(measure_once(model, method, ids, args.decode_tokens))     # the last round
             result = summarize(runs) | stage2_work(method)
-            result["attention_calls_per_token"] = attention_calls_per_token(model, method, ids[:, :CALLS_CONTEXT])
+            with CompressionOps(method) as ops:   # its prefill's compression: ops per layer, at up to CALLS_CONTEXT
+                result["attention_calls_per_token"] = attention_calls_per_token(model, method, ids[:, :CALLS_CONTEXT])
+            result["compress_ops_per_layer"] = ops.per_layer
             if args.profile:
                 name = f"{context}_{config.method}_{config.selection}_{config.budget or 'all'}" \
                        f"{'_' + config.preset if config.preset else ''}.txt"
@@ -430,18 +500,20 @@ def selection_table(rows: list[dict]) -> str:
         return ""
     lines = ["| context | method | budget | conventions | compression | compression s: attention, perturbation | "
              "perturbation / attention | whole prefills | exact norms / entries | d^2 bounds / entries | kept on the "
-             "lower bound / entries | heads with a second round |",
-             "|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "lower bound / entries | heads with a second round | ops per layer: attention, perturbation |",
+             "|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for o in pairs:
         r = o.row
         times = f"{o.base['compress_s']:.3f}, {r['compress_s']:.3f}" if "compress_s" in r else "-"
         share = lambda key: f"{100 * r[key]:.1f} %" if key in r else "-"
+        ops = f"{o.base['compress_ops_per_layer']:.0f}, {r['compress_ops_per_layer']:.0f}" \
+            if "compress_ops_per_layer" in r and "compress_ops_per_layer" in o.base else "-"
         lines.append(f"| {r['context']} | {r['method']} | {r['budget']} | "
                      f"{'preset=' + r['preset'] if r.get('preset') else 'paper'} | "
                      f"{behind_label(r.get('compression_layers_behind', 0))} | "
                      f"{times} | {o.ratio:.3f} | "
                      f"{o.wall_ratio:.3f} | {share('stage2_exact_share')} | {share('stage2_gram_share')} | "
-                     f"{share('stage2_certified_share')} | {share('stage2_widened_share')} |")
+                     f"{share('stage2_certified_share')} | {share('stage2_widened_share')} | {ops} |")
     return "\n".join(lines)
 
 

@@ -22,7 +22,13 @@ def test_bench_rows_are_well_formed(tiny_model_dir, capsys, tmp_path):
         assert r["kv_bytes_full"] == rows[0]["kv_bytes_full"]
         assert r["decode_bound"] >= 1 and (r["kv_bytes"] < r["kv_bytes_full"]) == (r["method"] != "full")
     assert all(0 <= r["compress_share"] < 1 for r in rows)
+    # Operations per layer's compression: none for the full cache, more for stage 2 than for attention selection.
+    ops = {(r["method"], r["selection"]): r["compress_ops_per_layer"] for r in rows}
+    assert ops["full", "none"] == 0 and 0 < ops["snapkv", "attention"] < ops["snapkv", "perturbation"]
     assert len(list(tmp_path.glob("300_*.txt"))) == len(rows)
+    # Each profile ends with the ops inside the compression spans, per layer (one span per layer of the tiny model).
+    breakdown = (tmp_path / "300_snapkv_perturbation_64.txt").read_text().split("Inside pcs.compress")[1]
+    assert f"({rows[0]['layers']} spans)" in breakdown and "aten::topk" in breakdown
     assert rows[0]["decode_speedup"] == 1.0 and rows[0]["decode_bound"] == 1.0
 
 
@@ -157,3 +163,25 @@ def test_a_bench_stopped_in_its_last_round_keeps_the_rows_measured_before(tiny_m
               "attention", "--budgets", "64", "32", "--repeats", "2", "--decode-tokens", "2", "--json"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [(r["method"], r["budget"]) for r in rows] == [("full", None)] and rows[0]["repeats"] == 2
+
+
+def test_compression_ops_counts_the_operations_inside_keep_that_dispatch_work():
+    """``CompressionOps`` counts per ``keep`` call the operations that do work (two here: an add and a multiply),
+    not views or allocations, and nothing outside ``keep``."""
+    import torch
+    from pcs.bench import CompressionOps
+    from pcs.eviction.base import Method
+
+    class TwoOps(Method):
+        def keep(self, layer):
+            doubled = (layer + 1).view(-1) * 2
+            torch.empty(3)
+            return doubled.t() if doubled.dim() == 2 else None
+
+    method = TwoOps()
+    with CompressionOps(method) as ops:
+        for _ in range(3):
+            method.keep(torch.ones(4, 5))
+            torch.ones(2) * 3                    # outside keep
+    assert (ops.layers, ops.ops, ops.per_layer) == (3, 6, 2.0)
+    assert "keep" not in vars(method)             # the method is as it was

@@ -509,3 +509,37 @@ def test_a_tie_at_the_cut_under_torch_topks_rule_is_scored_in_full(rows_together
         plain = selection.select(budgets, ws, exhaustive=True)
         assert [f.tolist() for f in fast] == [p.tolist() for p in plain]
     assert scored_in_full                  # the path ran
+
+
+# Operations one layer's compression dispatches under an accelerator's plan, at most (pcs.bench.CompressionOps: on a
+# GPU each is a kernel launch or a copy the host issues). Measured 2026-11-26 on long_layer's shapes: 178-284 with
+# perturbation selection across the profiles and methods (how many of stage 2's rounds a layer needs depends on its
+# scores), 21-43 with attention selection.
+MOST_OPS_ON_ACCELERATORS = 300
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_one_layers_compression_dispatches_a_bounded_number_of_operations_on_accelerators(profile, monkeypatch):
+    """With the rows batched and the products sized as on an accelerator (forced here on the CPU), one layer's
+    compression dispatches at most MOST_OPS_ON_ACCELERATORS operations at 600, 6,000 and 30,000 tokens (no loop over
+    chunks of entries, nothing per entry or per head), attention selection at most 50 (AdaKV's allocation has branches
+    that depend on the scores)."""
+    from pcs.bench import CompressionOps
+    import pcs.eviction.scores as scores_module
+    monkeypatch.setattr(scores_module, "batches_rows", lambda device: True)
+
+    def ops(method, n):
+        layer = long_layer(4, n=n)
+        method.keep(layer)                     # the layer's output projection, computed once per weight
+        with CompressionOps(method) as counted:
+            method.keep(layer)
+        assert counted.layers == 1
+        return counted.ops
+
+    for method in every_method(profile, "pool_then_mean"):
+        counts = [ops(method, n) for n in (600, 6000, 30000)]
+        assert max(counts) <= MOST_OPS_ON_ACCELERATORS, (profile, method, counts)
+    for name in ("snapkv", "adakv"):
+        method = build_method(compose_cfg(f"method={name}", "selection=attention", f"profile={profile}", "budget=120"))
+        counts = [ops(method, n) for n in (600, 6000, 30000)]
+        assert 0 < min(counts) and max(counts) <= 50, (profile, name, counts)

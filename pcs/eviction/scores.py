@@ -180,6 +180,7 @@ class NormPlan:
     together: int
     tile: int
     fused: bool = False
+    temporaries: int = 0      # bytes the layer's other chunked products (the bounds' quadratic forms) may take
 
 
 def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.dtype,
@@ -199,7 +200,7 @@ def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.d
     if batches_rows(device):
         together, budget, tile = rows, max(budget, ACCELERATOR_PRODUCT_BYTES), max(tile, ACCELERATOR_TILE)
     return NormPlan(together, min(tile, rows_per_chunk(budget, together * group * hidden, dtype)),
-                    fused=batches_rows(device))
+                    fused=batches_rows(device), temporaries=budget)
 
 
 def projected_value_norms(values: torch.Tensor, weights: torch.Tensor, group: int, tile: int,

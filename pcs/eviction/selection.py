@@ -172,7 +172,7 @@ class Stage2:
         # bits in all.
         plan = norm_plan(self.rows, self.m + ws.window, self.d, self.group, self.hidden, ws.prefix_values.dtype,
                          self.device)
-        self.together, self.tile, self.fused = plan.together, plan.tile, plan.fused
+        self.plan = plan
         self.shared_norms = None if ws.shared is None else \
             ws.shared.value_norms(self.group)[:, :self.m].view(self.rows, self.group, self.m)
         self.slack = (1 + torch.finfo(ws.prefix_values.dtype).eps) * (1 + ROUNDING)
@@ -204,12 +204,12 @@ class Stage2:
         values = self.ws.prefix_values if idx is None else self.values_at(idx)
         weights = group_weights(self.ws.o_proj_weight, self.rows, self.d)               # (rows, d, group * hidden)
         norms = torch.zeros(self.rows, self.group, values.shape[1], device=self.device)
-        for r in range(0, self.rows, self.together):
-            rows = slice(r, r + self.together)
+        for r in range(0, self.rows, self.plan.together):
+            rows = slice(r, r + self.plan.together)
             n = values.shape[1] if sizes is None else max(sizes[rows])
             if n:
-                norms[rows, :, :n] = projected_value_norms(values[rows, :n], weights[rows], self.group, self.tile,
-                                                           self.fused)
+                norms[rows, :, :n] = projected_value_norms(values[rows, :n], weights[rows], self.group, self.plan.tile,
+                                                           self.plan.fused)
         return self.selection.combine(attention, norms)
 
     def exhaustive(self) -> torch.Tensor:
@@ -230,7 +230,7 @@ class Stage2:
         """(rows, group, J, d) vectors ``u = W^O_h s`` for sign vectors ``s`` (|s . y| <= ||y||_1 for any of them,
         so ``|v . u|`` bounds ``||v W^O_h||_1`` from below in d multiply-adds), and (rows, group, J) the room their
         float32 rounding needs per unit of ``||v||``. The signs are those of the outputs of each row's mean value
-        and of that mean one standard deviation either way along its values' first principal component (4 power
+        and of that mean one standard deviation either way along its values' first principal component (8 power
         iterations on their covariance: no eigensolver, no wait for a GPU): value vectors share much of their
         direction, so an entry's output mostly has one of these sign patterns and the bound comes close to its
         norm."""
@@ -244,10 +244,15 @@ class Stage2:
             mean = values.mean(1)
             centred = values - mean[:, None]
             covariance = centred.transpose(1, 2) @ centred / max(1, values.shape[1] - 1)  # (rows, d, d)
-            component = torch.ones(self.rows, d, 1, device=self.device)
-            for _ in range(4):
-                component = covariance @ component
-                component = component / component.norm(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+            # 8 power iterations from the ones vector: covariance^8 by three squarings of the covariance scaled
+            # to unit Frobenius norm (eigenvalues at most 1, the largest at least d^-1/2: nothing overflows, and
+            # the top one's eighth power is at least d^-4), then one product.
+            tiny = torch.finfo(torch.float32).tiny
+            power = covariance / covariance.flatten(1).norm(dim=1).clamp_min(tiny)[:, None, None]
+            for _ in range(3):
+                power = power @ power
+            component = power.sum(-1, keepdim=True)                                    # power @ ones
+            component = component / component.norm(dim=1, keepdim=True).clamp_min(tiny)
             spread = (component.transpose(1, 2) @ covariance @ component).clamp_min(0).sqrt()[:, 0]   # (rows, 1)
             component = component[..., 0]
             directions = torch.stack([mean, mean + spread * component, mean - spread * component], 1)  # (rows, J, d)
@@ -267,7 +272,7 @@ class Stage2:
         grams = output_projection(self.ws.o_proj_weight, self.d).grams.view(self.rows, self.group, self.d, self.d)
         rounding = 2 * self.d * torch.finfo(torch.float32).eps * grams.flatten(2).norm(dim=-1)    # (rows, group)
         values = self.values_at(idx)                                                      # (rows, c, d)
-        quadratic = quadratic_forms(values, grams, self.ws.prefix_values.nbytes // 2)     # (rows, group, c)
+        quadratic = quadratic_forms(values, grams, self.plan.temporaries)     # (rows, group, c)
         room = rounding[..., None] * values.float().square().sum(-1)[:, None, :]
         upper = ((quadratic + room).clamp_min(0) * self.hidden).sqrt()
         attention = self.at(self.attention, idx)
@@ -326,7 +331,7 @@ class Stage2:
         scores.scatter_(1, pool, torch.where(certified, float("inf"), inf))
 
         # Round 1: exact scores for the best of the rest of the pool by the upper bounds.
-        sizes = [min(size - c, -(-first_candidates(k - c) // self.tile) * self.tile) if k else 0
+        sizes = [min(size - c, -(-first_candidates(k - c) // self.plan.tile) * self.plan.tile) if k else 0
                  for k, c, size in zip(counts, kept, pools)]
         if max(sizes):
             best, order = bound.masked_fill(~in_pool | certified, inf).topk(max(sizes), dim=-1)
