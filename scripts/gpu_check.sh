@@ -32,7 +32,9 @@
 # APPEND (add to the results file instead of starting it anew), EAGER=1 (pools without CUDA graphs), DECODE_TOKENS
 # (tokens decoded per row and pool, 32), BEHIND (how many layers behind the forward each layer is compressed, on a
 # stream of its own; 0: right after its forward, on the forward's stream: the A/B of the overlap; rows say which in
-# compression_layers_behind, and the report pairs only rows compressed alike).
+# compression_layers_behind, and the report pairs only rows compressed alike), PROFILE=1 (also one profiled prefill per
+# row into $DEST/profile/: the op tables and, per compressed layer, the kernels and device time of the operators
+# inside the compression).
 #
 # The machine brings torch (CUDA) and transformers; what else pcs's engine needs (hydra-core, omegaconf,
 # antlr4) is installed from wheels/ into a folder of its own, without touching the machine's packages.
@@ -93,6 +95,7 @@ bench_args=(--model llama31-shape --layers 32 --device cuda --methods $METHODS -
 [ -z "$POOLS" ] || bench_args+=(--pools $POOLS)
 [ "$EAGER" = 0 ] || bench_args+=(--eager)
 [ -z "${BEHIND:-}" ] || bench_args+=(--layers-behind "$BEHIND")
+[ "${PROFILE:-0}" = 0 ] || bench_args+=(--profile "$DEST/profile")
 
 [ "${APPEND:-0}" = 1 ] || [ -z "$CONTEXTS" ] || : > "$OUT_FILE"
 for context in $CONTEXTS; do   # one process per context: each context's rows land as soon as they are measured
