@@ -176,11 +176,13 @@ class NormPlan:
     """How ``projected_value_norms`` goes through a layer: ``together`` rows per batched product, ``tile``
     entries per product, and whether each product's L1 norms are one reduction that reads the product in its own
     dtype (``fused``: an accelerator, where the products' memory traffic is what costs) or its absolute values
-    summed in float32 (a CPU, whose bits the committed results were computed with)."""
+    summed in float32 (a CPU, whose bits the committed results were computed with). ``temporaries``: the bytes
+    the layer's other products in chunks (the bounds' quadratic forms) may take, the same budget as the norms': one
+    chunk for a bounded stage 2's entries on an accelerator, where each chunk costs launches."""
     together: int
     tile: int
     fused: bool = False
-    temporaries: int = 0      # bytes the layer's other chunked products (the bounds' quadratic forms) may take
+    temporaries: int = 0
 
 
 def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.dtype,
