@@ -178,11 +178,13 @@ class NormPlan:
     dtype (``fused``: an accelerator, where the products' memory traffic is what costs) or its absolute values
     summed in float32 (a CPU, whose bits the committed results were computed with). ``temporaries``: the bytes
     the layer's other products in chunks (the bounds' quadratic forms) may take, the same budget as the norms': one
-    chunk for a bounded stage 2's entries on an accelerator, where each chunk costs launches."""
+    chunk for a bounded stage 2's entries on an accelerator, where each chunk costs launches. ``accelerator``: the
+    plan is for a device where a launch costs more than the multiply-adds it saves (``batches_rows``)."""
     together: int
     tile: int
     fused: bool = False
     temporaries: int = 0
+    accelerator: bool = False
 
 
 def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.dtype,
@@ -202,7 +204,7 @@ def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.d
     if batches_rows(device):
         together, budget, tile = rows, max(budget, ACCELERATOR_PRODUCT_BYTES), max(tile, ACCELERATOR_TILE)
     return NormPlan(together, min(tile, rows_per_chunk(budget, together * group * hidden, dtype)),
-                    fused=batches_rows(device), temporaries=budget)
+                    fused=batches_rows(device), temporaries=budget, accelerator=batches_rows(device))
 
 
 def projected_value_norms(values: torch.Tensor, weights: torch.Tensor, group: int, tile: int,
