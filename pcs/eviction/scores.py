@@ -174,17 +174,21 @@ def batches_rows(device: torch.device) -> bool:
 @dataclass(frozen=True)
 class NormPlan:
     """How ``projected_value_norms`` goes through a layer: ``together`` rows per batched product, ``tile``
-    entries per product, and whether each product's L1 norms are one reduction that reads the product in its own
-    dtype (``fused``: an accelerator, where the products' memory traffic is what costs) or its absolute values
-    summed in float32 (a CPU, whose bits the committed results were computed with). ``temporaries``: the bytes
-    the layer's other products in chunks (the bounds' quadratic forms) may take, the same budget as the norms': one
-    chunk for a bounded stage 2's entries on an accelerator, where each chunk costs launches. ``accelerator``: the
-    plan is for a device where a launch costs more than the multiply-adds it saves (``batches_rows``)."""
+    entries per product, and ``temporaries``, the bytes the layer's other products in chunks (the bounds' quadratic
+    forms) may take, the same budget as the norms': one chunk for a bounded stage 2's entries on an accelerator,
+    where each chunk costs launches. ``accelerator``: the plan is for a device where a launch costs more than the
+    multiply-adds it saves (``batches_rows``)."""
     together: int
     tile: int
-    fused: bool = False
-    temporaries: int = 0
+    temporaries: int
     accelerator: bool = False
+
+    @property
+    def fused(self) -> bool:
+        """Whether each product's L1 norms are one reduction that reads the product in its own dtype (an
+        accelerator, where the products' memory traffic is what costs) or its absolute values summed in float32
+        (a CPU, whose bits the committed results were computed with)."""
+        return self.accelerator
 
 
 def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.dtype,
@@ -203,8 +207,8 @@ def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.d
     together, tile = 1, max(32, 1 << max(0, n // 32 - 1).bit_length())
     if batches_rows(device):
         together, budget, tile = rows, max(budget, ACCELERATOR_PRODUCT_BYTES), max(tile, ACCELERATOR_TILE)
-    return NormPlan(together, min(tile, rows_per_chunk(budget, together * group * hidden, dtype)),
-                    fused=batches_rows(device), temporaries=budget, accelerator=batches_rows(device))
+    return NormPlan(together, min(tile, rows_per_chunk(budget, together * group * hidden, dtype)), budget,
+                    batches_rows(device))
 
 
 def projected_value_norms(values: torch.Tensor, weights: torch.Tensor, group: int, tile: int,
