@@ -121,7 +121,7 @@ def profile_prefill(model, method, ids, path: Path) -> float:
     from torch.profiler import ProfilerActivity, profile
     on_cuda = next(model.parameters()).device.type == "cuda"      # the prompt may still be on the host
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    with profile(activities=activities, experimental_config=all_threads()) as prof:
+    with profile(activities=activities) as prof:
         greedy_generate(model, ids, method, 1, set())
     averages = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in averages)
@@ -131,15 +131,6 @@ def profile_prefill(model, method, ids, path: Path) -> float:
                     + ("\n" + averages.table(sort_by="self_cuda_time_total", row_limit=30) if on_cuda else "")
                     + "\n" + compression_breakdown(prof.events()))
     return compress / total if total else 0.0
-
-
-def all_threads():
-    """The profiler's setting that records every host thread's operators, where this torch has it: on CUDA the
-    compressions run on a thread of their own (``pcs.compression.compression_thread``)."""
-    try:
-        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-    except (AttributeError, TypeError):
-        return None
 
 
 def compression_breakdown(events) -> str:
@@ -396,10 +387,7 @@ def run(args) -> list[dict]:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.layers_behind is not None:
         compression.LAYERS_BEHIND_ON_CUDA = args.layers_behind
-    if args.no_compression_thread:
-        compression.COMPRESSION_THREAD_ON_CUDA = False
     behind = compression.layers_behind(torch.device(device))
-    threaded = bool(behind) and compression.compression_thread(torch.device(device))
     model = build_model(args.model, args.layers, device, args.model_path)
     weights = weight_bytes(model)
     built = build_configurations(args)
@@ -431,7 +419,7 @@ def run(args) -> list[dict]:
             row = {"model": args.model, "device": device, "device_name": device_name(device),
                    "layers": model.config.num_hidden_layers, "method": config.method, "selection": config.selection,
                    "budget": config.budget, "preset": config.preset, "context": context, "repeats": args.repeats,
-                   "compression_layers_behind": behind, "compression_thread": threaded, **result,
+                   "compression_layers_behind": behind, **result,
                    "decode_bound": (weights + result["kv_bytes_full"]) / (weights + result["kv_bytes"]),
                    "decode_speedup": base["decode_ms_per_token"] / result["decode_ms_per_token"]}
             rows.append(row)
@@ -500,16 +488,8 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def compression_schedule(row: dict) -> tuple[int, bool]:
-    """How a row's prefill compressed: how many layers behind the forward, and whether from a thread of its own."""
-    return row.get("compression_layers_behind", 0), row.get("compression_thread", False)
-
-
-def schedule_label(row: dict) -> str:
-    layers, threaded = compression_schedule(row)
-    if not layers:
-        return "after each layer"
-    return f"{layers} layer{'s' if layers > 1 else ''} behind" + (", own thread" if threaded else "")
+def behind_label(layers: int) -> str:
+    return "after each layer" if not layers else f"{layers} layer{'s' if layers > 1 else ''} behind"
 
 
 def selection_table(rows: list[dict]) -> str:
@@ -530,7 +510,7 @@ def selection_table(rows: list[dict]) -> str:
             if "compress_ops_per_layer" in r and "compress_ops_per_layer" in o.base else "-"
         lines.append(f"| {r['context']} | {r['method']} | {r['budget']} | "
                      f"{'preset=' + r['preset'] if r.get('preset') else 'paper'} | "
-                     f"{schedule_label(r)} | "
+                     f"{behind_label(r.get('compression_layers_behind', 0))} | "
                      f"{times} | {o.ratio:.3f} | "
                      f"{o.wall_ratio:.3f} | {share('stage2_exact_share')} | {share('stage2_gram_share')} | "
                      f"{share('stage2_certified_share')} | {share('stage2_widened_share')} | {ops} |")
@@ -568,7 +548,7 @@ class Overhead:
 def selection_overheads(rows: list[dict]) -> list[Overhead]:
     """Each perturbation row paired with the attention row under the same conventions."""
     def key(r):
-        return r["context"], r["method"], r["budget"], r.get("preset"), compression_schedule(r)
+        return r["context"], r["method"], r["budget"], r.get("preset"), r.get("compression_layers_behind", 0)
     attention = {key(r): r for r in rows if r["selection"] == "attention"}
     return [Overhead(r, attention[key(r)]) for r in rows if r["selection"] == "perturbation" and key(r) in attention]
 
@@ -636,9 +616,6 @@ def parse(argv=None):
     parser.add_argument("--layers-behind", type=int, help="on CUDA, how many layers behind the forward each layer is "
                         "compressed, on a stream of its own (default: pcs.compression.LAYERS_BEHIND_ON_CUDA; 0: right "
                         "after its own forward, on the forward's stream)")
-    parser.add_argument("--no-compression-thread", action="store_true", help="on CUDA, queue the compressions from "
-                        "the forward's host thread instead of a thread of their own (the A/B of "
-                        "pcs.compression.COMPRESSION_THREAD_ON_CUDA)")
     parser.add_argument("--project", metavar="OVERRIDE", nargs="+", help="print the GPU-hours a sweep would take "
                         "(e.g. experiment=table1), from --bench's measured costs; measures nothing")
     parser.add_argument("--bench", metavar="JSONL", help="--project: the bench results to project from")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import functools
 import math
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -83,21 +82,11 @@ def compressed_layers(cache: CompressedCache) -> tuple[int, ...]:
 # its own forward, on the forward's stream, as on a CPU (the bench's --layers-behind 0). Each layer behind holds
 # one more full layer during the prefill.
 LAYERS_BEHIND_ON_CUDA = 2
-# Whether, on CUDA, a host thread of their own queues the compressions (the bench's --no-compression-thread: False).
-# A selection's launches and its reads (stage 2 reads its bounds back) take the host about as long as a layer's
-# forward takes the GPU at 8K tokens; on the forward's thread they hold up its launches, and the GPU starves.
-COMPRESSION_THREAD_ON_CUDA = True
 
 
 def layers_behind(device: torch.device) -> int:
     """How many layers behind the forward a prefill on ``device`` compresses, on a stream of its own."""
     return LAYERS_BEHIND_ON_CUDA if device.type == "cuda" else 0
-
-
-def compression_thread(device: torch.device) -> bool:
-    """Whether a prefill on ``device`` queues the compressions it runs behind the forward from a host thread of their
-    own (PyTorch's operators release the interpreter's lock while they launch and while they wait)."""
-    return COMPRESSION_THREAD_ON_CUDA and device.type == "cuda"
 
 
 @functools.cache
@@ -110,27 +99,19 @@ def compression_stream(device: torch.device) -> torch.cuda.Stream:
 
 class LaggedCompression:
     """Each layer's compression, in layer order, ``layers_behind`` layers behind the forward on a second CUDA
-    stream. Layer l's work waits (an event) only for its own layer's forward, so the host's reads inside it
-    (budgets, stage 2's bounds) wait for the selection alone while the GPU still has later layers' forward to run.
-
-    Where ``compression_thread``, one worker thread queues the works in order while the forward's thread goes on
-    queueing the next layers; the forward's thread waits only when the worker is more than ``behind`` layers late
-    (each of those layers is held whole meanwhile). The tensors a work reads that the forward's stream made are
-    marked as used on the compression's stream (``record_stream``), so the allocator reuses none of them before
-    the compression's kernels are done; what the work allocates lives on its own stream. Otherwise layer l's work
-    is queued by the forward's thread once layer l + behind's forward is queued, and the forward's stream waits for
-    it before its next work. Either way the forward's stream waits for every compression before the context ends
-    (``finish``). At 0 layers behind each layer's work runs at once, as if this were not here."""
+    stream. Layer l's is queued once layer l + behind's attention is queued; it waits (an event) only for its own
+    layer's forward, so the host's reads inside it (budgets, stage 2's bounds) wait for the selection alone while
+    the GPU still has ``behind`` layers of forward to run, and the host's launches for the selection overlap them.
+    The forward's stream then waits for the selection before its next work, so every tensor either stream
+    allocates is ordered after the other's use of it. At 0 layers behind each layer's work runs at once, as if
+    this were not here."""
 
     def __init__(self, device: torch.device):
         self.behind = layers_behind(device)
         self.stream = compression_stream(device) if self.behind and device.type == "cuda" else None
-        self.worker = (ThreadPoolExecutor(1, thread_name_prefix="pcs-compress")
-                       if self.behind and compression_thread(device) else None)
         self.pending: collections.deque = collections.deque()
 
-    def push(self, work, reads: tuple[torch.Tensor, ...] = ()) -> None:
-        """Queue ``work()``, which reads the forward's tensors ``reads``, once its layer's forward is queued."""
+    def push(self, work) -> None:
         if not self.behind:
             work()
             return
@@ -138,57 +119,26 @@ class LaggedCompression:
         if self.stream is not None:
             ready = torch.cuda.Event()
             ready.record()                   # the layer's forward and its window's queries, on the forward's stream
-        if self.worker is not None:
-            if self.stream is not None:
-                for tensor in reads:
-                    tensor.record_stream(self.stream)
-            modes = torch.is_inference_mode_enabled(), torch.is_grad_enabled()   # thread-local: the worker's own
-            self.pending.append(self.worker.submit(self.queue, work, ready, modes))
-        else:
-            self.pending.append((work, ready))
+        self.pending.append((work, ready))
         if len(self.pending) > self.behind:
-            self.wait(self.pending.popleft())
+            self.run(*self.pending.popleft())
 
-    def wait(self, entry) -> None:
-        if self.worker is not None:
-            entry.result()                   # queued by the worker; its error, if it failed, raised here
-            return
-        work, ready = entry
+    def run(self, work, ready) -> None:
         if self.stream is None:              # behind without a second stream: only a test's reordering on a CPU
             work()
             return
         forward = torch.cuda.current_stream()
+        self.stream.wait_event(ready)
         try:
-            self.queue(work, ready)
+            with torch.cuda.stream(self.stream):
+                work()
         finally:       # also when the work fails (out of memory): what it queued is done before the forward reuses
             forward.wait_stream(self.stream)        # the memory it freed
 
-    def queue(self, work, ready, modes=None) -> None:
-        """``work()`` on the compression stream, after ``ready``; on the worker, under the forward thread's
-        inference and gradient modes."""
-        inference, grad = modes if modes is not None else (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
-        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-            if self.stream is None:
-                work()
-                return
-            self.stream.wait_event(ready)
-            with torch.cuda.stream(self.stream):
-                work()
-
-    def finish(self) -> None:
-        """The last layers' work, once the forward is over."""
+    def flush(self) -> None:
+        """The last layers' work: the forward is over."""
         while self.pending:
-            self.wait(self.pending.popleft())
-        if self.stream is not None:
-            torch.cuda.current_stream().wait_stream(self.stream)
-
-    def close(self) -> None:
-        """After ``finish`` or an error: no work is left queued or being queued."""
-        if self.worker is not None:
-            self.worker.shutdown(wait=True, cancel_futures=True)
-            if self.stream is not None:
-                torch.cuda.current_stream().wait_stream(self.stream)
-        self.pending.clear()
+            self.run(*self.pending.popleft())
 
 
 @contextmanager
@@ -212,7 +162,7 @@ def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer, o
         layer = cache.layers[module.layer_idx]
         if layer.is_sliding:
             if on_sliding is not None:
-                late.push(lambda: on_sliding(module.layer_idx, layer), reads=layer.dense())
+                late.push(lambda: on_sliding(module.layer_idx, layer))
             return
         keys, values = layer.dense()
         queries = {w: window_queries(module, hidden, kwargs["position_embeddings"], w) if w else keys.new_empty(0)
@@ -220,14 +170,11 @@ def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer, o
         state = LayerState(module.layer_idx, len(modules), keys, values, queries[max(windows, default=0)],
                            module.o_proj.weight, compressed=compressed,
                            shared=SharedScores(values, module.o_proj.weight) if shared else None)
-        late.push(lambda: on_layer(queries, state, layer), reads=(keys, values, *queries.values()))
+        late.push(lambda: on_layer(queries, state, layer))
 
-    try:
-        with hooked(modules, hook):
-            yield cache
-            late.finish()
-    finally:
-        late.close()
+    with hooked(modules, hook):
+        yield cache
+        late.flush()
 
 
 class LayerChoices:
@@ -285,14 +232,10 @@ def compress_each_after_prefill(model, methods: list[Method], caches: list[Compr
     choices = [LayerChoices(method, n_layers) for method in methods]
     prefill = caches[0]
 
-    behind = layers_behind(next(model.parameters()).device)
-
     def held_whole(layer_idx: int, layer) -> int:
-        """Bytes of full layers the prefill holds while layer ``layer_idx`` is compressed, at most: that layer, and
-        the ``behind`` next ones, whose forward may run first (``LaggedCompression``); every layer of a prefill holds
-        the same dense entries. A bound, not a reading of the later layers: on CUDA a worker thread compresses
-        while the forward runs on."""
-        return layer.nbytes() * (1 + min(behind, n_layers - 1 - layer_idx))
+        """Bytes of full layers the prefill holds while layer ``layer_idx`` is compressed: that layer, and the next
+        ones whose forward ran first (``LaggedCompression``)."""
+        return layer.nbytes() + sum(later.nbytes() for later in prefill.layers[layer_idx + 1:])
 
     def compress(queries: dict[int, torch.Tensor], state: LayerState, layer) -> None:
         full_bytes = held_whole(state.layer_idx, layer)

@@ -2,7 +2,6 @@
 prefill never holds more full layers beside the cells' compressed ones than the one computed and those it has yet
 to compress (CUDA compresses behind the forward), and a group of runs writes the same folders as separate runs."""
 import json
-import threading
 
 import pytest
 import torch
@@ -82,15 +81,12 @@ def test_the_shared_prefill_holds_whole_only_the_layers_it_has_yet_to_compress(b
             assert layer.keys is None and layer.is_buffered
 
 
-@pytest.mark.parametrize("threaded", [False, True])
 @pytest.mark.parametrize("behind", [1, 2])
 @pytest.mark.parametrize("question", [False, True])
-def test_compressing_layers_behind_the_forward_changes_nothing_but_the_peak(arch, question, behind, threaded,
-                                                                            monkeypatch):
-    """What CUDA's overlapped compression does, on one stream: layer l chosen once layer l + behind's forward ran,
-    by the forward's thread, or (``threaded``, CUDA's default) by a worker thread while the forward runs on. Every
-    cell's answer, logits, cache and sizes are those of compressing at once; only the peak may grow, by at most
-    ``behind`` full layers (the next ones, whole while layer l is chosen)."""
+def test_compressing_layers_behind_the_forward_changes_nothing_but_the_peak(arch, question, behind, monkeypatch):
+    """What CUDA's overlapped compression does, in order and on one stream: layer l chosen once layer l + behind's
+    forward ran. Every cell's answer, logits, cache and sizes are those of compressing at once; only the peak may
+    grow, by at most ``behind`` full layers (the next ones, whole while layer l is chosen)."""
     import pcs.compression
     model = tiny_model(arch)
     ids = torch.randint(0, 256, (1, 120), generator=torch.Generator().manual_seed(5))
@@ -98,7 +94,6 @@ def test_compressing_layers_behind_the_forward_changes_nothing_but_the_peak(arch
     built = methods()
     at_once = greedy_generate_each(model, ids, built, 10, set(), question_ids=q)
     monkeypatch.setattr(pcs.compression, "layers_behind", lambda device: behind)
-    monkeypatch.setattr(pcs.compression, "compression_thread", lambda device: threaded)
     late = greedy_generate_each(model, ids, built, 10, set(), question_ids=q)
     full = 2 * model.config.num_key_value_heads * ids.shape[1] * head_dim(model.config) * model.dtype.itemsize
     for now, then in zip(at_once, late):
@@ -106,64 +101,6 @@ def test_compressing_layers_behind_the_forward_changes_nothing_but_the_peak(arch
             {k: v for k, v in comparable(now).items() if k != "peak_kv_bytes"}
         assert now.peak_kv_bytes <= then.peak_kv_bytes <= now.peak_kv_bytes + behind * full
     assert any(then.peak_kv_bytes > now.peak_kv_bytes for now, then in zip(at_once, late))
-
-
-class Spy:
-    """A method that records, per layer it chooses in, the thread and the autograd modes it chose under, and fails
-    at ``fail_at``."""
-
-    def __init__(self, method, fail_at=None):
-        self.method, self.fail_at, self.seen = method, fail_at, []
-
-    def __getattr__(self, name):
-        return getattr(self.method, name)
-
-    def for_prompt(self, n_tokens):
-        return self
-
-    def keep(self, state):
-        self.seen.append((state.layer_idx, threading.current_thread().name, torch.is_inference_mode_enabled(),
-                          torch.is_grad_enabled()))
-        if state.layer_idx == self.fail_at:
-            raise RuntimeError("the selection failed")
-        return self.method.keep(state)
-
-
-def threaded_prefill(monkeypatch, method, mode):
-    import pcs.compression
-    monkeypatch.setattr(pcs.compression, "layers_behind", lambda device: 2)
-    monkeypatch.setattr(pcs.compression, "compression_thread", lambda device: True)
-    model = tiny_model("llama")
-    cache = CompressedCache.of(model.config)
-    with mode(), compress_each_after_prefill(model, [method], [cache]):
-        model(input_ids=torch.randint(0, 256, (1, 100), generator=torch.Generator().manual_seed(8)),
-              past_key_values=cache)
-    return model, cache
-
-
-@pytest.mark.parametrize("mode", [torch.inference_mode, torch.no_grad])
-def test_the_compression_thread_chooses_in_layer_order_under_the_forwards_autograd_mode(mode, monkeypatch):
-    """The worker thread runs every layer's choice once, in layer order, with the forward thread's inference and
-    gradient modes (both are thread-local), and is gone when the prefill ends."""
-    spy = Spy(methods()[1])
-    model, cache = threaded_prefill(monkeypatch, spy, mode)
-    n = model.config.num_hidden_layers
-    inference = mode is torch.inference_mode
-    assert [s[0] for s in spy.seen] == list(range(n))
-    assert all(name.startswith("pcs-compress") and s_inference == inference and not grad
-               for _, name, s_inference, grad in spy.seen)
-    assert all(layer.is_buffered and layer.keys is None for layer in cache.layers)
-    assert not any(t.name.startswith("pcs-compress") for t in threading.enumerate())
-
-
-def test_an_error_in_the_compression_thread_is_raised_by_the_prefill_and_stops_the_rest(monkeypatch):
-    """A choice that fails on the worker thread fails the prefill with its own error; the layers queued after it
-    are not chosen, and no worker is left running."""
-    spy = Spy(methods()[1], fail_at=1)
-    with pytest.raises(RuntimeError, match="the selection failed"):
-        threaded_prefill(monkeypatch, spy, torch.inference_mode)
-    assert [s[0] for s in spy.seen][:2] == [0, 1] and len(spy.seen) <= 3
-    assert not any(t.name.startswith("pcs-compress") for t in threading.enumerate())
 
 
 def needle(model_dir, results, *extra):
