@@ -137,7 +137,9 @@ def compression_breakdown(events) -> str:
     """What the ops inside the ``pcs.compress`` spans did, per operator: calls, kernels they launched and those
     kernels' device time (the whole-prefill tables above mix them with the forward's), per compressed layer."""
     totals: dict[str, list] = {}
-    spans = [e for e in events if e.name == "pcs.compress"]
+    # The host's spans only: with CUDA activity the profiler also lists each span once more as a device-side
+    # annotation, which has no operators under it and would halve the figures per layer.
+    spans = [e for e in events if e.name == "pcs.compress" and e.device_type == torch.autograd.DeviceType.CPU]
 
     def walk(event):
         for child in event.cpu_children:

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from pcs.bench import main
+from pcs.bench import compression_breakdown, main
 
 FIELDS = {"model", "method", "selection", "budget", "context", "prefill_s", "decode_ms_per_token", "kv_bytes",
           "kv_bytes_full", "peak_mem_bytes", "decode_bound", "decode_speedup"}
@@ -30,6 +30,22 @@ def test_bench_rows_are_well_formed(tiny_model_dir, capsys, tmp_path):
     breakdown = (tmp_path / "300_snapkv_perturbation_64.txt").read_text().split("Inside pcs.compress")[1]
     assert f"({rows[0]['layers']} spans)" in breakdown and "aten::topk" in breakdown
     assert rows[0]["decode_speedup"] == 1.0 and rows[0]["decode_bound"] == 1.0
+
+
+def test_the_compression_breakdown_counts_the_hosts_spans_only():
+    """With CUDA activity the profiler lists each ``pcs.compress`` span twice, on the host (with its operators)
+    and as a device-side annotation (with none): per layer means per host span."""
+    from types import SimpleNamespace as Event
+    from torch.autograd import DeviceType
+    kernel = Event(name="aten::bmm", cpu_children=[], kernels=[object()], self_device_time_total=300.0)
+    events = []
+    for _ in range(3):                                                   # three layers
+        events.append(Event(name="pcs.compress", device_type=DeviceType.CPU, cpu_children=[kernel]))
+        events.append(Event(name="pcs.compress", device_type=DeviceType.CUDA, cpu_children=[]))
+    table = compression_breakdown(events)
+    assert "(3 spans)" in table
+    (line,) = [l for l in table.splitlines() if l.startswith("aten::bmm")]
+    assert line.split()[1:] == ["1.0", "1.0", "0.300"]
 
 
 def test_bench_reports_attention_calls_and_its_table_reads_the_targets(tiny_model_dir, capsys, tmp_path):
