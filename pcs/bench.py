@@ -134,8 +134,9 @@ def profile_prefill(model, method, ids, path: Path) -> float:
 
 
 def compression_breakdown(events) -> str:
-    """What the ops inside the ``pcs.compress`` spans did, per operator: calls, kernels they launched and those
-    kernels' device time (the whole-prefill tables above mix them with the forward's), per compressed layer."""
+    """What the ops inside the ``pcs.compress`` spans did, per operator: calls, kernels they launched, those kernels'
+    device time and the host's own time in the operator (the whole-prefill tables above mix them with the forward's),
+    per compressed layer; the most device time first, then the most host time (on a CPU, where there is no device)."""
     totals: dict[str, list] = {}
     # The host's spans only: with CUDA activity the profiler also lists each span once more as a device-side
     # annotation, which has no operators under it and would halve the figures per layer.
@@ -143,17 +144,20 @@ def compression_breakdown(events) -> str:
 
     def walk(event):
         for child in event.cpu_children:
-            calls_kernels_ms = totals.setdefault(child.name, [0, 0, 0.0])
-            calls_kernels_ms[0] += 1
-            calls_kernels_ms[1] += len(child.kernels)
-            calls_kernels_ms[2] += child.self_device_time_total / 1000
+            calls_kernels_device_host = totals.setdefault(child.name, [0, 0, 0.0, 0.0])
+            calls_kernels_device_host[0] += 1
+            calls_kernels_device_host[1] += len(child.kernels)
+            calls_kernels_device_host[2] += child.self_device_time_total / 1000
+            calls_kernels_device_host[3] += child.self_cpu_time_total / 1000
             walk(child)
     for span in spans:
         walk(span)
     layers = max(1, len(spans))
-    lines = [f"Inside pcs.compress, per compressed layer ({len(spans)} spans): operator, calls, kernels, device ms",
-             *(f"{name:<48} {calls / layers:8.1f} {kernels / layers:8.1f} {ms / layers:9.3f}"
-               for name, (calls, kernels, ms) in sorted(totals.items(), key=lambda kv: (-kv[1][2], -kv[1][0])))]
+    lines = [f"Inside pcs.compress, per compressed layer ({len(spans)} spans): operator, calls, kernels, device ms, "
+             "host ms",
+             *(f"{name:<48} {calls / layers:8.1f} {kernels / layers:8.1f} {device / layers:9.3f} {host / layers:9.3f}"
+               for name, (calls, kernels, device, host) in sorted(totals.items(),
+                                                                  key=lambda kv: (-kv[1][2], -kv[1][3], -kv[1][0])))]
     return "\n".join(lines) + "\n"
 
 

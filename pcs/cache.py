@@ -29,6 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from .hybrid import attention_windows
+from .tensor_rows import rows_at
 
 ATTN_IMPLEMENTATION = "pcs"
 ROOM = 256   # entries reserved ahead per head when a layer moves into its buffer (it grows by half when full)
@@ -193,8 +194,7 @@ class CompressibleLayer(CacheLayerMixin):
                 seen.append(torch.stack([torch.isin(union, idx) for idx in mine]))
                 kept.append(union)
         index = torch.nn.utils.rnn.pad_sequence(list(kept), batch_first=True)   # (H_kv, L), padded with 0
-        index = index[..., None].expand(-1, -1, keys.shape[-1])
-        self.fill(keys.gather(1, index), values.gather(1, index), [len(idx) for idx in kept], seen)
+        self.fill(rows_at(keys, index), rows_at(values, index), [len(idx) for idx in kept], seen)
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(H_kv, n, d) keys and values of a layer whose heads all hold the same entries: in its prefill

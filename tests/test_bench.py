@@ -37,7 +37,8 @@ def test_the_compression_breakdown_counts_the_hosts_spans_only():
     and as a device-side annotation (with none): per layer means per host span."""
     from types import SimpleNamespace as Event
     from torch.autograd import DeviceType
-    kernel = Event(name="aten::bmm", cpu_children=[], kernels=[object()], self_device_time_total=300.0)
+    kernel = Event(name="aten::bmm", cpu_children=[], kernels=[object()], self_device_time_total=300.0,
+                   self_cpu_time_total=20.0)
     events = []
     for _ in range(3):                                                   # three layers
         events.append(Event(name="pcs.compress", device_type=DeviceType.CPU, cpu_children=[kernel]))
@@ -45,7 +46,7 @@ def test_the_compression_breakdown_counts_the_hosts_spans_only():
     table = compression_breakdown(events)
     assert "(3 spans)" in table
     (line,) = [l for l in table.splitlines() if l.startswith("aten::bmm")]
-    assert line.split()[1:] == ["1.0", "1.0", "0.300"]
+    assert line.split()[1:] == ["1.0", "1.0", "0.300", "0.020"]
 
 
 def test_bench_reports_attention_calls_and_its_table_reads_the_targets(tiny_model_dir, capsys, tmp_path):

@@ -56,9 +56,14 @@ class Conventions:
     def top_mask(self, scores: torch.Tensor, ks: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """(rows, m) True at each row's ``top`` ``counts[r]`` entries of (rows, m) ``scores`` (``ks``: the counts
         on the scores' device). Under ``earlier`` in a few operations for every row at once (a stable order is the
-        same whatever k); under ``topk`` row by row, as torch.topk's choice among ties depends on k."""
+        same whatever k); under ``topk`` in one call where every row keeps as many entries, as kvpress's presses
+        call it (on a CPU each row's choice is the one it makes alone), else row by row, as torch.topk's choice
+        among ties depends on k."""
         import torch
         rows, m = scores.shape
+        if self.ties == "topk" and len(set(counts)) == 1:
+            mask = torch.zeros_like(scores, dtype=torch.bool)
+            return mask.scatter_(1, scores.topk(counts[0], dim=-1).indices, True) if counts[0] else mask
         if self.ties == "topk":
             flat = [row.topk(k).indices + r * m for r, (row, k) in enumerate(zip(scores, counts)) if k > 0]
             mask = torch.zeros(rows * m, dtype=torch.bool, device=scores.device)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .conventions import PAPER, Conventions
+from ..tensor_rows import rows_at
 from ..upload import upload
 from .scores import SharedScores, group_weights, norm_plan, output_projection, positions, \
     projected_value_norms, quadratic_forms
@@ -196,8 +197,11 @@ class Stage2:
         return x.gather(-1, idx.view(self.rows, *[1] * (x.dim() - 2), -1).expand(*x.shape[:-1], -1))
 
     def values_at(self, idx: torch.Tensor) -> torch.Tensor:
-        """(rows, c, d) value vectors of entries ``idx`` (rows, c)."""
-        return self.ws.prefix_values.gather(1, idx[..., None].expand(-1, -1, self.d))
+        """(rows, c, d) value vectors of entries ``idx`` (rows, c): one gather kernel under an accelerator's plan,
+        rows picked from a view of the values on a CPU (``rows_at``)."""
+        if self.plan.accelerator:
+            return self.ws.prefix_values.gather(1, idx[..., None].expand(-1, -1, self.d))
+        return rows_at(self.ws.prefix_values, idx)
 
     def exact(self, idx: torch.Tensor | None = None, sizes: list[int] | None = None) -> torch.Tensor:
         """(rows, c) stage-2 scores of entries ``idx`` (rows, c) (every entry by default). With ``sizes``, only
