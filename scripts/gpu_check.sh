@@ -23,7 +23,8 @@
 #   TESTS=0 APPEND=1 CONTEXTS=32768 METHODS=snapkv BUDGETS= PRESETS= ANALYSIS=1 bash scripts/gpu_check.sh
 #   TESTS=0 APPEND=1 CONTEXTS=131072 METHODS=snapkv BUDGETS=128 PRESETS= POOLS= REPEATS=1 bash scripts/gpu_check.sh
 # Issue 28's prefill ratios alone, in one 15-minute lease (decoding 2 tokens a row: the ratio reads the prefill). On an
-# H200 (2026-11-26, second session) 8K's first 15 rows took 130 s, 32K with METHODS=snapkv and criticalkv 9 rows 110 s:
+# H200 (2026-11-26, fourth session) 8K's first 23 rows (3 methods, 2 budgets, criticalkv) took 190 s, 32K with
+# METHODS=snapkv and criticalkv 9 rows about 110 s, and a machine's start about 30 s:
 #   TESTS=0 CONTEXTS=8192 METHODS="snapkv pyramidkv adakv" POOLS= REPEATS=2 DECODE_TOKENS=2 bash scripts/gpu_check.sh
 #   TESTS=0 APPEND=1 CONTEXTS=32768 METHODS="snapkv pyramidkv adakv" POOLS= REPEATS=2 DECODE_TOKENS=2 ANALYSIS=0 ...
 # and the overlap's A/B in the same lease: TESTS=0 APPEND=1 CONTEXTS=8192 METHODS=snapkv PRESETS= BEHIND=0 (then 1) ...
