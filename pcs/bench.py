@@ -35,7 +35,9 @@ from . import compression
 from .compression import CompressionStats
 from .config import compose, uses
 from .engine import Cell, DecodePool, clock, prefill
-from .eviction import build_method
+from .eviction import build_method, scores
+from .hybrid import head_dim
+from .kernels import value_norms as value_norm_kernel
 from .generate import greedy_generate
 from .models import load_model, prepare
 from .paths import read_jsonl
@@ -394,7 +396,10 @@ def run(args) -> list[dict]:
     if args.layers_behind is not None:
         compression.LAYERS_BEHIND_ON_CUDA = args.layers_behind
     behind = compression.layers_behind(torch.device(device))
+    if args.value_norm_kernel:
+        scores.VALUE_NORM_KERNEL = True
     model = build_model(args.model, args.layers, device, args.model_path)
+    kernel = scores.VALUE_NORM_KERNEL and value_norm_kernel.available(torch.device(device), head_dim(model.config))
     weights = weight_bytes(model)
     built = build_configurations(args)
     rows = []
@@ -425,7 +430,7 @@ def run(args) -> list[dict]:
             row = {"model": args.model, "device": device, "device_name": device_name(device),
                    "layers": model.config.num_hidden_layers, "method": config.method, "selection": config.selection,
                    "budget": config.budget, "preset": config.preset, "context": context, "repeats": args.repeats,
-                   "compression_layers_behind": behind, **result,
+                   "compression_layers_behind": behind, "value_norm_kernel": kernel, **result,
                    "decode_bound": (weights + result["kv_bytes_full"]) / (weights + result["kv_bytes"]),
                    "decode_speedup": base["decode_ms_per_token"] / result["decode_ms_per_token"]}
             rows.append(row)
@@ -494,8 +499,11 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def behind_label(layers: int) -> str:
-    return "after each layer" if not layers else f"{layers} layer{'s' if layers > 1 else ''} behind"
+def compression_label(row: dict) -> str:
+    """How a row's prefill compressed: when, and (``--value-norm-kernel``) with which exact norms."""
+    layers = row.get("compression_layers_behind", 0)
+    when = "after each layer" if not layers else f"{layers} layer{'s' if layers > 1 else ''} behind"
+    return when + (", norms kernel" if row.get("value_norm_kernel") else "")
 
 
 def selection_table(rows: list[dict]) -> str:
@@ -516,7 +524,7 @@ def selection_table(rows: list[dict]) -> str:
             if "compress_ops_per_layer" in r and "compress_ops_per_layer" in o.base else "-"
         lines.append(f"| {r['context']} | {r['method']} | {r['budget']} | "
                      f"{'preset=' + r['preset'] if r.get('preset') else 'paper'} | "
-                     f"{behind_label(r.get('compression_layers_behind', 0))} | "
+                     f"{compression_label(r)} | "
                      f"{times} | {o.ratio:.3f} | "
                      f"{o.wall_ratio:.3f} | {share('stage2_exact_share')} | {share('stage2_gram_share')} | "
                      f"{share('stage2_certified_share')} | {share('stage2_widened_share')} | {ops} |")
@@ -554,7 +562,8 @@ class Overhead:
 def selection_overheads(rows: list[dict]) -> list[Overhead]:
     """Each perturbation row paired with the attention row under the same conventions."""
     def key(r):
-        return r["context"], r["method"], r["budget"], r.get("preset"), r.get("compression_layers_behind", 0)
+        return (r["context"], r["method"], r["budget"], r.get("preset"), r.get("compression_layers_behind", 0),
+                r.get("value_norm_kernel", False))
     attention = {key(r): r for r in rows if r["selection"] == "attention"}
     return [Overhead(r, attention[key(r)]) for r in rows if r["selection"] == "perturbation" and key(r) in attention]
 
@@ -622,6 +631,9 @@ def parse(argv=None):
     parser.add_argument("--layers-behind", type=int, help="on CUDA, how many layers behind the forward each layer is "
                         "compressed, on a stream of its own (default: pcs.compression.LAYERS_BEHIND_ON_CUDA; 0: right "
                         "after its own forward, on the forward's stream)")
+    parser.add_argument("--value-norm-kernel", action="store_true", help="on CUDA, stage 2's exact norms from "
+                        "pcs.kernels.value_norms's one kernel (pcs.eviction.scores.VALUE_NORM_KERNEL); rows say which "
+                        "in value_norm_kernel, and the report pairs only rows alike")
     parser.add_argument("--project", metavar="OVERRIDE", nargs="+", help="print the GPU-hours a sweep would take "
                         "(e.g. experiment=table1), from --bench's measured costs; measures nothing")
     parser.add_argument("--bench", metavar="JSONL", help="--project: the bench results to project from")

@@ -229,10 +229,14 @@ def test_cuda_layer_compression_syncs_a_constant_number_of_times(cell):
     assert 1 <= min(counts) and max(counts) <= MOST_HOST_READS, counts
 
 
+@pytest.mark.parametrize("kernel", [False, True])
 @pytest.mark.parametrize("cell", STAGE2_CELLS)
-def test_cuda_bounded_stage2_keeps_what_exhaustive_stage2_keeps(cell):
-    """On the GPU, in bfloat16, with Llama-3.1-8B's shapes: the bounded stage 2 keeps the exhaustive one's entries."""
+def test_cuda_bounded_stage2_keeps_what_exhaustive_stage2_keeps(cell, kernel, monkeypatch):
+    """On the GPU, in bfloat16, with Llama-3.1-8B's shapes: the bounded stage 2 keeps the exhaustive one's entries,
+    with the batched products' norms and with the norms kernel's (``kernel``)."""
     import functools
+    import pcs.eviction.scores
+    monkeypatch.setattr(pcs.eviction.scores, "VALUE_NORM_KERNEL", kernel)
     chosen = build_method(compose_cfg(*cell, "budget=512"))
     for seed, n in ((0, 4096), (1, 9000)):
         layer = cuda_layer(n, seed)
@@ -244,3 +248,26 @@ def test_cuda_bounded_stage2_keeps_what_exhaustive_stage2_keeps(cell):
         finally:
             del selection.select
         assert [f.tolist() for f in fast] == [p.tolist() for p in plain]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_value_norm_kernel_gives_the_norms_and_each_entry_the_same_bits_in_any_set(dtype):
+    """``pcs.kernels.value_norms`` on Llama-3.1-8B's shapes (a KV head's 4 query heads, d = 128, hidden 4,096): within
+    float32's accumulation of the float64 norms of the same inputs, at most the torch path's distance from them; and an
+    entry's norm is the same bits scored alone, in a subset or in every entry (what the bounded stage 2 relies on)."""
+    from pcs.eviction.scores import group_weights, projected_value_norms
+    from pcs.kernels.value_norms import available, value_norms
+    assert available(torch.device("cuda"), 128)
+    layer = cuda_layer(3000, seed=4, dtype=dtype)
+    rows, group = 8, 4
+    weights = group_weights(layer.o_proj_weight, rows, 128)
+    got = value_norms(layer.values, weights, group)
+    exact = (layer.values.double() @ weights.double()).view(rows, 3000, group, -1).abs().sum(-1).transpose(1, 2)
+    torch_path = projected_value_norms(layer.values, weights, group, 1024, fused=True)
+    error = ((got.double() - exact).abs() / exact).max().item()
+    assert error <= 1e-5 and error <= ((torch_path.double() - exact).abs() / exact).max().item() + 1e-7
+    g = torch.Generator(device="cuda").manual_seed(5)
+    some = torch.randperm(3000, generator=g, device="cuda")[:777].sort().values
+    assert torch.equal(value_norms(layer.values[:, some], weights, group), got[..., some])
+    assert torch.equal(value_norms(layer.values[:, 1234:1235], weights, group), got[..., 1234:1235])
+    assert torch.equal(value_norms(layer.values[2:5], weights[2:5], group), got[2:5])

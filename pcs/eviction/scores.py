@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from ..kernels import value_norms as value_norm_kernel
+
 
 def positions(mask: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     """Ascending positions of each row's True entries of (rows, m) ``mask``, ``sizes[r]`` of them (known on the
@@ -162,6 +164,10 @@ ACCELERATOR_PRODUCT_BYTES = 1 << 30
 # at least k + 256) in one product up to k = 512, and rarely needs another round, each of which costs launches and a
 # wait.
 ACCELERATOR_TILE = 1024
+# Whether CUDA's exact norms go through one kernel that never writes the product (``pcs.kernels.value_norms``; the
+# bench's --value-norm-kernel) instead of the batched products: off until a GPU has run its tests (tests/test_gpu.py:
+# its norms against float64, an entry's bits whatever it is scored with) and measured it against them.
+VALUE_NORM_KERNEL = False
 
 
 def batches_rows(device: torch.device) -> bool:
@@ -182,6 +188,7 @@ class NormPlan:
     tile: int
     temporaries: int
     accelerator: bool = False
+    kernel: bool = False     # the norms from ``pcs.kernels.value_norms`` (VALUE_NORM_KERNEL, where it runs)
 
     @property
     def fused(self) -> bool:
@@ -208,11 +215,11 @@ def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.d
     if batches_rows(device):
         together, budget, tile = rows, max(budget, ACCELERATOR_PRODUCT_BYTES), max(tile, ACCELERATOR_TILE)
     return NormPlan(together, min(tile, rows_per_chunk(budget, together * group * hidden, dtype)), budget,
-                    batches_rows(device))
+                    batches_rows(device), VALUE_NORM_KERNEL and value_norm_kernel.available(device, d))
 
 
 def projected_value_norms(values: torch.Tensor, weights: torch.Tensor, group: int, tile: int,
-                          fused: bool = False) -> torch.Tensor:
+                          fused: bool = False, kernel: bool = False) -> torch.Tensor:
     """``||v_i W^O_h||_1`` for (r, c, d) value rows ``v_i`` of r rows (KV heads, or query heads) and each row's
     ``group`` query heads' slices ``W^O_h`` side by side (``group_weights``, (r, d, group * hidden))
     -> (r, group, c) float32.
@@ -220,8 +227,11 @@ def projected_value_norms(values: torch.Tensor, weights: torch.Tensor, group: in
     The entries go through the product ``tile`` at a time, the last tile padded with zeros: every entry's norm
     comes from the same (r, tile, d) x (r, d, group * hidden) product whichever other entries are scored with
     it, so an entry's score does not depend on the set it is scored in (exhaustive or bounded stage 2), bit for
-    bit. ``fused`` (``NormPlan.fused``): the L1 norm in one reduction, accumulated in float32.
+    bit. ``fused`` (``NormPlan.fused``): the L1 norm in one reduction, accumulated in float32. ``kernel``
+    (``NormPlan.kernel``): products and norms in ``pcs.kernels.value_norms``'s one kernel instead, no tiles.
     """
+    if kernel:
+        return value_norm_kernel.value_norms(values, weights, group)
     r, c, d = values.shape
     n_tiles = -(-c // tile)
     padded = values.new_zeros(r, n_tiles * tile, d)
@@ -271,6 +281,6 @@ class SharedScores:
                 heads = torch.arange(r, min(r + together, rows), device=self.values.device) * n_kv // rows
                 return self.values[r:r + together] if rows == n_kv else self.values[heads]
             self._norms[group] = torch.cat([
-                projected_value_norms(values(r), weights[r:r + together], group, plan.tile, plan.fused)
+                projected_value_norms(values(r), weights[r:r + together], group, plan.tile, plan.fused, plan.kernel)
                 for r in range(0, rows, together)]).flatten(0, 1)
         return self._norms[group]

@@ -219,7 +219,7 @@ class Stage2:
             n = values.shape[1] if sizes is None else max(sizes[rows])
             if n:
                 norms[rows, :, :n] = projected_value_norms(values[rows, :n], weights[rows], self.group, self.plan.tile,
-                                                           self.plan.fused)
+                                                           self.plan.fused, self.plan.kernel)
         return self.selection.combine(attention, norms)
 
     def exhaustive(self) -> torch.Tensor:

@@ -1,0 +1,87 @@
+"""Stage 2's exact norms ``||v_i W^O_h||_1`` in one Triton kernel, for CUDA.
+
+The batched product that ``projected_value_norms`` otherwise makes writes every entry's (group x hidden) outputs to
+memory and a reduction reads them back: at 8K tokens with Llama-3.1-8B's shapes, half a gigabyte a layer for a
+quarter of the entries. Here each program multiplies a block of value rows by a block of ``W^O_h``'s columns in
+registers and adds the block's absolute values into the rows' sums, so the product never reaches memory.
+
+An entry's norm depends on its own value vector only: every program sums the same column blocks in the same order,
+and a row's dot products do not depend on the other rows of its block. So an entry gets the same bits whichever
+entries it is scored with, as the bounded stage 2 needs (``pcs.eviction.scores.NormPlan``). Products accumulate in
+float32 (``input_precision="ieee"`` for float32 values: no TF32 rounding), closer to the exact norm than the
+half-precision product the torch path reduces.
+
+Triton is imported lazily: it ships with torch's CUDA wheels, not with the CPU wheel this project pins, and a
+machine without it keeps the torch path (``available``).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK_ENTRIES = 64     # value rows per program
+BLOCK_OUTPUTS = 128    # columns of W^O_h per step of a program's loop
+
+
+def available(device: torch.device, d: int) -> bool:
+    """Whether the kernel can score a layer of head dimension ``d`` on ``device``: CUDA with Triton importable, and
+    ``d`` a power of two of at least 16 (a Triton block's size and ``tl.dot``'s smallest inner dimension)."""
+    if device.type != "cuda" or d < 16 or d & (d - 1):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _kernel():
+    """The compiled kernel, built on first use (so that importing this module needs no Triton)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def value_norms(values, weights, out, n_entries, group, hidden,
+                    stride_vr, stride_vn, stride_vd, stride_wr, stride_wd, stride_wo, stride_or, stride_og,
+                    stride_on, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    IEEE: tl.constexpr):
+        row_head = tl.program_id(0)                  # row r's query head g: r * group + g
+        r, g = row_head // group, row_head % group
+        entries = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, D)
+        inside = entries < n_entries
+        v = tl.load(values + r * stride_vr + entries[:, None] * stride_vn + dims[None, :] * stride_vd,
+                    mask=inside[:, None], other=0.0)
+        sums = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        w_head = weights + r * stride_wr + g * hidden * stride_wo
+        for start in range(0, hidden, BLOCK_N):
+            outputs = start + tl.arange(0, BLOCK_N)
+            w = tl.load(w_head + dims[:, None] * stride_wd + outputs[None, :] * stride_wo,
+                        mask=outputs[None, :] < hidden, other=0.0)
+            if IEEE:
+                y = tl.dot(v, w, input_precision="ieee")
+            else:
+                y = tl.dot(v, w)
+            sums += tl.sum(tl.abs(y), axis=1)
+        tl.store(out + r * stride_or + g * stride_og + entries * stride_on, sums, mask=inside)
+
+    return value_norms
+
+
+def value_norms(values: torch.Tensor, weights: torch.Tensor, group: int) -> torch.Tensor:
+    """``||v_i W^O_h||_1`` for (r, c, d) value rows of r rows and each row's ``group`` query heads' ``W^O_h`` side by
+    side (``group_weights``: (r, d, group * hidden)) -> (r, group, c) float32, as ``projected_value_norms``."""
+    import triton
+    r, c, d = values.shape
+    hidden = weights.shape[-1] // group
+    out = torch.empty(r, group, c, dtype=torch.float32, device=values.device)
+    if c == 0 or r == 0:
+        return out
+    weights = weights.to(values.dtype)
+    grid = (r * group, triton.cdiv(c, BLOCK_ENTRIES))
+    _kernel()[grid](values, weights, out, c, group, hidden,
+                    *values.stride(), *weights.stride(), *out.stride(),
+                    D=d, BLOCK_M=BLOCK_ENTRIES, BLOCK_N=BLOCK_OUTPUTS, IEEE=values.dtype == torch.float32)
+    return out
