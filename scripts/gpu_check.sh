@@ -29,7 +29,7 @@
 #   TESTS=0 APPEND=1 CONTEXTS=32768 METHODS="snapkv pyramidkv adakv" POOLS= REPEATS=2 DECODE_TOKENS=2 ANALYSIS=0 ...
 # and the overlap's A/B in the same lease: TESTS=0 APPEND=1 CONTEXTS=8192 METHODS=snapkv PRESETS= BEHIND=0 (then 1) ...
 # The norms kernel's A/B (8K, SnapKV and criticalkv, about 80 s each; run its tests first, -k value_norm_kernel and
-# -k bounded_stage2, 12 cells with the kernel):
+# -k bounded_stage2, whose 6 cells run with and without it):
 #   TESTS=0 APPEND=1 CONTEXTS=8192 METHODS=snapkv POOLS= REPEATS=2 DECODE_TOKENS=2 bash scripts/gpu_check.sh (then KERNEL=1)
 # Knobs: CONTEXTS, METHODS (the full cache is always measured), BUDGETS, PRESETS, POOLS (decode pool sizes; empty:
 # no pools), REPEATS, ANALYSIS (the 32K perturbation analysis; default: only when CONTEXTS holds 32768), TESTS,
