@@ -265,9 +265,10 @@ def test_cuda_value_norm_kernel_gives_the_norms_and_each_entry_the_same_bits_in_
     exact = (layer.values.double() @ weights.double()).view(rows, 3000, group, -1).abs().sum(-1).transpose(1, 2)
     torch_path = projected_value_norms(layer.values, weights, group, 1024, fused=True)
     error = ((got.double() - exact).abs() / exact).max().item()
-    assert error <= 1e-5 and error <= ((torch_path.double() - exact).abs() / exact).max().item() + 1e-7
+    assert error <= 1e-5 and error <= ((torch_path.double() - exact).abs() / exact).max().item() + 1e-6
     g = torch.Generator(device="cuda").manual_seed(5)
     some = torch.randperm(3000, generator=g, device="cuda")[:777].sort().values
     assert torch.equal(value_norms(layer.values[:, some], weights, group), got[..., some])
+    assert torch.equal(value_norms(layer.values[:, some[:768]], weights, group), got[..., some[:768]])
     assert torch.equal(value_norms(layer.values[:, 1234:1235], weights, group), got[..., 1234:1235])
     assert torch.equal(value_norms(layer.values[2:5], weights[2:5], group), got[2:5])

@@ -20,6 +20,7 @@ import functools
 
 import torch
 
+# One configuration, never tuned per call: another block shape could change an entry's bits.
 BLOCK_ENTRIES = 64     # value rows per program
 BLOCK_OUTPUTS = 128    # columns of W^O_h per step of a program's loop
 
@@ -42,7 +43,9 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # One compiled kernel whatever the number of entries: Triton would otherwise compile variants for sizes and
+    # strides equal to 1 or divisible by 16, and an entry's bits would rest on those variants computing alike.
+    @triton.jit(do_not_specialize=["n_entries", "stride_vr", "stride_vn", "stride_or", "stride_og", "stride_on"])
     def value_norms(values, weights, out, n_entries, group, hidden,
                     stride_vr, stride_vn, stride_vd, stride_wr, stride_wd, stride_wo, stride_or, stride_og,
                     stride_on, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -76,10 +79,10 @@ def value_norms(values: torch.Tensor, weights: torch.Tensor, group: int) -> torc
     import triton
     r, c, d = values.shape
     hidden = weights.shape[-1] // group
+    assert weights.shape == (r, d, group * hidden) and weights.dtype == values.dtype, (values.shape, weights.shape)
     out = torch.empty(r, group, c, dtype=torch.float32, device=values.device)
     if c == 0 or r == 0:
         return out
-    weights = weights.to(values.dtype)
     grid = (r * group, triton.cdiv(c, BLOCK_ENTRIES))
     _kernel()[grid](values, weights, out, c, group, hidden,
                     *values.stride(), *weights.stride(), *out.stride(),
