@@ -222,7 +222,7 @@ def test_the_bounds_hold_every_computed_score(dtype, gqa):
     spectral = stage2.spectral_bounds()
     assert (spectral >= exact).all()
     every = torch.arange(m).expand(n_kv, m)
-    gram, norms = stage2.gram_bounds(every)
+    gram, norms = stage2.gram_bounds(every, lower=True)
     lower = stage2.lower_bounds(every, norms)
     assert (gram >= exact).all() and (lower <= exact).all()
     assert (gram <= spectral * 1.01).all()    # the d^2 bound is the tighter, up to the eigenvalue bound's rounding
@@ -242,7 +242,7 @@ def test_the_sign_lower_bound_comes_close_to_the_norm_when_values_share_a_direct
     stage2 = Stage2(PerturbationSelection(), ws, torch.zeros(n_kv, m, dtype=torch.bool), [100])
     exact = stage2.exhaustive()[0]
     every = torch.arange(m)[None]
-    lower = stage2.lower_bounds(every, stage2.gram_bounds(every)[1])[0]
+    lower = stage2.lower_bounds(every, stage2.gram_bounds(every, lower=True)[1])[0]
     assert (lower <= exact).all()
     assert (lower / exact).median() > 0.9 and (lower / exact).min() > 1 / math.sqrt(hidden)
 
@@ -512,10 +512,10 @@ def test_a_tie_at_the_cut_under_torch_topks_rule_is_scored_in_full(rows_together
 
 
 # Operations one layer's compression dispatches under an accelerator's plan, at most (pcs.bench.CompressionOps: on a
-# GPU each is a kernel launch or a copy the host issues). Measured 2026-11-26 on long_layer's shapes: 178-284 with
-# perturbation selection across the profiles and methods (how many of stage 2's rounds a layer needs depends on its
-# scores), 21-43 with attention selection.
-MOST_OPS_ON_ACCELERATORS = 300
+# GPU each is a kernel launch or a copy the host issues). Measured on long_layer's shapes: 105-201 with perturbation
+# selection across the profiles and methods (how many of stage 2's rounds a layer needs depends on its scores;
+# 178-284 before accelerators skipped the certifying round, 2026-11-26), 19-43 with attention selection.
+MOST_OPS_ON_ACCELERATORS = 220
 
 
 @pytest.mark.parametrize("profile", PROFILES)

@@ -38,8 +38,7 @@ def value_output_norms(values: torch.Tensor, o_proj_weight: torch.Tensor) -> tor
     """``||v_i W^O_h||_2`` for every query head h and token i -> (H_q, n) float32, through the Gram
     matrices of ``output_projection``: d^2 multiply-adds per token and head instead of d x hidden."""
     n_kv_heads, n, d = values.shape
-    grams = output_projection(o_proj_weight, d).grams                          # (H_q, d, d)
-    grams = grams.view(n_kv_heads, -1, d, d)                                   # (H_kv, group, d, d)
+    grams = output_projection(o_proj_weight, d).grams_side_by_side(n_kv_heads)  # (H_kv, d, group * d)
     return quadratic_forms(values, grams, values.nbytes // 2).flatten(0, 1).clamp_min(0).sqrt()
 
 

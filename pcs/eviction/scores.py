@@ -6,7 +6,7 @@ Query head h reads KV head h // group, as in grouped-query attention.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -100,12 +100,23 @@ class OutputProjection:
     that ``||v W^O_h||_2^2 <= lambda ||v||_2^2`` (d); ``by_input`` (d, H_q, hidden), the weight laid out so that
     any run of query heads' ``W^O_h`` side by side is a view (``group_weights``: no copy per product), in the
     weight's dtype (one more copy of the weight per layer); ``abs_row_norms`` (H_q,) float32 ``||(|W^O_h| 1)||_2``,
-    what float32 rounding of ``W^O_h s`` can reach for a sign vector ``s``."""
+    what float32 rounding of ``W^O_h s`` can reach for a sign vector ``s``; ``gram_norms`` (H_q,) the Frobenius
+    norms of ``grams``, what float32 rounding of ``v G_h v`` can reach per unit of ``||v||_2^2``."""
     grams: torch.Tensor
     top_eigenvalues: torch.Tensor
     by_input: torch.Tensor
     abs_row_norms: torch.Tensor
+    gram_norms: torch.Tensor
     source: tuple       # what it was computed from: ``weight_identity``
+    _side_by_side: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def grams_side_by_side(self, rows: int) -> torch.Tensor:
+        """(rows, d, group * d): the grams of each row's ``group`` consecutive query heads side by side, what
+        ``quadratic_forms`` multiplies by (made once per layout: a copy)."""
+        if rows not in self._side_by_side:
+            h, d, _ = self.grams.shape
+            self._side_by_side[rows] = self.grams.view(rows, h // rows, d, d).permute(0, 2, 1, 3).reshape(rows, d, -1)
+        return self._side_by_side[rows]
 
 
 def weight_identity(weight: torch.Tensor) -> tuple:
@@ -129,23 +140,28 @@ def output_projection(o_proj_weight: torch.Tensor, d: int) -> OutputProjection:
     w = weight.float()
     grams = torch.einsum("ohd,ohe->hde", w, w)
     projection = OutputProjection(grams, top_eigenvalue_bound(grams), weight.permute(2, 1, 0).contiguous(),
-                                  w.abs().sum(0).norm(dim=-1), weight_identity(o_proj_weight))
+                                  w.abs().sum(0).norm(dim=-1), grams.flatten(1).norm(dim=-1),
+                                  weight_identity(o_proj_weight))
     _projections[o_proj_weight] = projection
     return projection
 
 
-def quadratic_forms(values: torch.Tensor, grams: torch.Tensor, budget_bytes: int) -> torch.Tensor:
-    """``v G_h v`` for (rows, n, d) value rows and each row's (rows, group, d, d) matrices -> (rows, group, n)
-    float32: one batched product with each row's matrices side by side per chunk of entries, each chunk's
-    temporaries within ``budget_bytes``."""
-    rows, group, d, _ = grams.shape
-    side_by_side = grams.permute(0, 2, 1, 3).reshape(rows, d, group * d)
+def quadratic_forms(values: torch.Tensor, side_by_side: torch.Tensor, budget_bytes: int) -> torch.Tensor:
+    """``v G_h v`` for (rows, n, d) value rows and each row's ``group`` matrices side by side
+    (``OutputProjection.grams_side_by_side``, (rows, d, group * d)) -> (rows, group, n) float32: one batched
+    product per chunk of entries, each chunk's temporaries within ``budget_bytes`` (a single chunk where they fit,
+    written nowhere else)."""
+    rows, d, width = side_by_side.shape
+    group = width // d
     chunk = rows_per_chunk(budget_bytes, rows * 2 * group * d, torch.float32)
+
+    def forms(v: torch.Tensor) -> torch.Tensor:
+        return (torch.bmm(v, side_by_side).view(rows, -1, group, d) * v[:, :, None, :]).sum(-1).transpose(1, 2)
+    if values.shape[1] <= chunk:
+        return forms(values.float())
     out = torch.empty(rows, group, values.shape[1], dtype=torch.float32, device=values.device)
     for start in range(0, values.shape[1], chunk):
-        v = values[:, start:start + chunk].float()
-        out[:, :, start:start + chunk] = (torch.bmm(v, side_by_side).view(rows, -1, group, d)
-                                          * v[:, :, None, :]).sum(-1).transpose(1, 2)
+        out[:, :, start:start + chunk] = forms(values[:, start:start + chunk].float())
     return out
 
 
@@ -189,6 +205,15 @@ class NormPlan:
     temporaries: int
     accelerator: bool = False
     kernel: bool = False     # the norms from ``pcs.kernels.value_norms`` (VALUE_NORM_KERNEL, where it runs)
+
+    @property
+    def certifies(self) -> bool:
+        """Whether the bounded stage 2 keeps entries on a lower bound of their norms, without their exact score
+        (its round 0): on a CPU, where it spares exact norms (about a tenth of the entries at budget 1,024 on the
+        embedded model, results/bench/README.md); not on an accelerator, where the round's fifty-odd launches and
+        its wait for the device cost more than the exact norms it spares, and where with Llama-3.1-8B's shapes
+        (random weights) it kept no entry."""
+        return not self.accelerator
 
     @property
     def fused(self) -> bool:

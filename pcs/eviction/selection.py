@@ -164,8 +164,8 @@ class Stage2:
     per KV head (per query head where query heads choose apart). Every step works on all rows at once, in a
     few batched products whatever the number of heads: on a GPU a launch costs more than the products of the
     few entries a bound leaves, so the per-row loops would set the pace."""
-    MOST_READS = 4   # host reads per layer: the entries certified, rounds 1 and 2, and under torch.topk's tie rule
-                     # a re-check of the cut
+    MOST_READS = 4   # host reads per layer: the entries certified (where the plan certifies), rounds 1 and 2, and
+                     # under torch.topk's tie rule a re-check of the cut
 
     def __init__(self, selection: PerturbationSelection, ws: WindowScores, excluded: torch.Tensor, counts: list[int]):
         self.selection, self.ws, self.excluded, self.counts = selection, ws, excluded, counts
@@ -213,13 +213,18 @@ class Stage2:
             return self.selection.combine(attention, norms)
         values = self.ws.prefix_values if idx is None else self.values_at(idx)
         weights = group_weights(self.ws.o_proj_weight, self.rows, self.d)               # (rows, d, group * hidden)
-        norms = torch.zeros(self.rows, self.group, values.shape[1], device=self.device)
-        for r in range(0, self.rows, self.plan.together):
-            rows = slice(r, r + self.plan.together)
-            n = values.shape[1] if sizes is None else max(sizes[rows])
-            if n:
-                norms[rows, :, :n] = projected_value_norms(values[rows, :n], weights[rows], self.group, self.plan.tile,
-                                                           self.plan.fused, self.plan.kernel)
+        width = values.shape[1]
+        if self.plan.together >= self.rows and (sizes is None or max(sizes) == width):     # one product, no copy
+            norms = projected_value_norms(values, weights, self.group, self.plan.tile, self.plan.fused,
+                                          self.plan.kernel)
+        else:
+            norms = torch.zeros(self.rows, self.group, width, device=self.device)
+            for r in range(0, self.rows, self.plan.together):
+                rows = slice(r, r + self.plan.together)
+                n = width if sizes is None else max(sizes[rows])
+                if n:
+                    norms[rows, :, :n] = projected_value_norms(values[rows, :n], weights[rows], self.group,
+                                                               self.plan.tile, self.plan.fused, self.plan.kernel)
         return self.selection.combine(attention, norms)
 
     def exhaustive(self) -> torch.Tensor:
@@ -274,19 +279,21 @@ class Stage2:
             self._signs = u, 2 * room
         return self._signs
 
-    def gram_bounds(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entries ``idx`` (rows, c): (rows, c) upper bounds of their scores, and (rows, group, c) lower bounds of
-        their norms, from ``||y||_2`` with ``||y||_2^2 = v G_h v`` (d^2 multiply-adds per entry and query head):
-        ``sqrt(hidden) ||y||_2`` above, within ~25 % of ``||y||_1`` when y's entries are of similar size, and
-        ``||y||_2`` below. Room is left for float32's rounding of each and of the exact scores."""
-        grams = output_projection(self.ws.o_proj_weight, self.d).grams.view(self.rows, self.group, self.d, self.d)
-        rounding = 2 * self.d * torch.finfo(torch.float32).eps * grams.flatten(2).norm(dim=-1)    # (rows, group)
-        values = self.values_at(idx)                                                      # (rows, c, d)
-        quadratic = quadratic_forms(values, grams, self.plan.temporaries)     # (rows, group, c)
-        room = rounding[..., None] * values.float().square().sum(-1)[:, None, :]
+    def gram_bounds(self, idx: torch.Tensor, lower: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Entries ``idx`` (rows, c): (rows, c) upper bounds of their scores, and with ``lower`` (rows, group, c)
+        lower bounds of their norms, from ``||y||_2`` with ``||y||_2^2 = v G_h v`` (d^2 multiply-adds per entry
+        and query head): ``sqrt(hidden) ||y||_2`` above, within ~25 % of ``||y||_1`` when y's entries are of
+        similar size, and ``||y||_2`` below. Room is left for float32's rounding of each and of the exact
+        scores."""
+        projection = output_projection(self.ws.o_proj_weight, self.d)
+        rounding = 2 * self.d * torch.finfo(torch.float32).eps * projection.gram_norms.view(self.rows, self.group)
+        values = self.values_at(idx).float()                                              # (rows, c, d)
+        quadratic = quadratic_forms(values, projection.grams_side_by_side(self.rows), self.plan.temporaries)
+        room = rounding[..., None] * values.square().sum(-1)[:, None, :]
         upper = ((quadratic + room).clamp_min(0) * self.hidden).sqrt()
         attention = self.at(self.attention, idx)
-        return self.selection.combine(attention, upper) * self.slack, (quadratic - room).clamp_min(0).sqrt()
+        return (self.selection.combine(attention, upper) * self.slack,
+                (quadratic - room).clamp_min(0).sqrt() if lower else None)
 
     def lower_bounds(self, idx: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
         """(rows, c) lower bounds of the scores of entries ``idx`` (rows, c): per query head the larger of
@@ -303,9 +310,9 @@ class Stage2:
         top ``k``, minus infinity elsewhere. Per row, with k entries to choose:
 
         0. Its best ``POOL x k`` entries (``ACCELERATOR_POOL x k`` on an accelerator) by the d bound (its pool) get
-           the d^2 bound and a lower bound. An entry whose lower bound beats the row's k-th best upper bound is kept
-           without its exact score: only the k - 1 entries above that could outscore it. One read for all rows:
-           how many each has so (c).
+           the d^2 bound and (where the plan certifies, ``NormPlan.certifies``) a lower bound. An entry whose lower
+           bound beats the row's k-th best upper bound is kept without its exact score: only the k - 1 entries
+           above that could outscore it. One read for all rows: how many each has so (c; 0 without the round).
         1. The best of the rest of the pool by the upper bound (``first_candidates`` of k - c, rounded up to
            whole products) get their exact scores. With the c kept, their (k - c)-th best, the cut, is at most the
            row's true k-th best score, so an entry whose bound falls below it cannot reach the top k. One read
@@ -333,14 +340,17 @@ class Stage2:
         spectral = self.spectral_bounds()                                                 # (rows, m)
         bound, pool = spectral.topk(max(pools), dim=-1)                                   # (rows, P)
         in_pool = self.below(pools, pool.shape[1]) & (bound > inf)
-        upper, norms = self.gram_bounds(pool)
+        upper, norms = self.gram_bounds(pool, lower=self.plan.certifies)
         bound = torch.where(in_pool, torch.minimum(bound, upper), bound)
         work.gram += sum(pools)
-        kth_upper = self.kth(spectral.scatter(1, pool, bound))                            # (rows, 1)
-        certified = in_pool & (self.lower_bounds(pool, norms) > kth_upper)
-        kept = self.read(work, certified.sum(-1))[0]
-        work.certified += sum(kept)
-        scores.scatter_(1, pool, torch.where(certified, float("inf"), inf))
+        if self.plan.certifies:
+            kth_upper = self.kth(spectral.scatter(1, pool, bound))                        # (rows, 1)
+            certified = in_pool & (self.lower_bounds(pool, norms) > kth_upper)
+            kept = self.read(work, certified.sum(-1))[0]
+            work.certified += sum(kept)
+            scores.scatter_(1, pool, torch.where(certified, float("inf"), inf))
+        else:
+            certified, kept = torch.zeros_like(in_pool), [0] * self.rows
 
         # Round 1: exact scores for the best of the rest of the pool by the upper bounds.
         sizes = [min(size - c, -(-first_candidates(k - c) // self.plan.tile) * self.plan.tile) if k else 0
