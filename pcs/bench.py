@@ -396,8 +396,8 @@ def run(args) -> list[dict]:
     if args.layers_behind is not None:
         compression.LAYERS_BEHIND_ON_CUDA = args.layers_behind
     behind = compression.layers_behind(torch.device(device))
-    if args.value_norm_kernel:
-        scores.VALUE_NORM_KERNEL = True
+    if args.value_norm_kernel is not None:
+        scores.VALUE_NORM_KERNEL = args.value_norm_kernel
     model = build_model(args.model, args.layers, device, args.model_path)
     kernel = scores.VALUE_NORM_KERNEL and value_norm_kernel.available(torch.device(device), head_dim(model.config))
     weights = weight_bytes(model)
@@ -631,9 +631,10 @@ def parse(argv=None):
     parser.add_argument("--layers-behind", type=int, help="on CUDA, how many layers behind the forward each layer is "
                         "compressed, on a stream of its own (default: pcs.compression.LAYERS_BEHIND_ON_CUDA; 0: right "
                         "after its own forward, on the forward's stream)")
-    parser.add_argument("--value-norm-kernel", action="store_true", help="on CUDA, stage 2's exact norms from "
-                        "pcs.kernels.value_norms's one kernel (pcs.eviction.scores.VALUE_NORM_KERNEL); rows say which "
-                        "in value_norm_kernel, and the report pairs only rows alike")
+    parser.add_argument("--value-norm-kernel", action=argparse.BooleanOptionalAction, help="on CUDA, stage 2's "
+                        "exact norms from pcs.kernels.value_norms's one kernel, or (--no-value-norm-kernel) from "
+                        "batched products (default: pcs.eviction.scores.VALUE_NORM_KERNEL, on); rows say which in "
+                        "value_norm_kernel, and the report pairs only rows alike")
     parser.add_argument("--project", metavar="OVERRIDE", nargs="+", help="print the GPU-hours a sweep would take "
                         "(e.g. experiment=table1), from --bench's measured costs; measures nothing")
     parser.add_argument("--bench", metavar="JSONL", help="--project: the bench results to project from")
