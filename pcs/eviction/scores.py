@@ -15,11 +15,14 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from ..kernels import value_norms as value_norm_kernel
 
 
-def positions(mask: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+def positions(mask: torch.Tensor, sizes: list[int], tail: int = 0) -> list[torch.Tensor]:
     """Ascending positions of each row's True entries of (rows, m) ``mask``, ``sizes[r]`` of them (known on the
-    host): one stable sort for every row, then views."""
+    host), then the ``tail`` positions m, m + 1, ... that every row keeps (the observation window): one stable sort
+    for every row, then views."""
+    if tail:
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], tail)], dim=1)
     ascending = (~mask).to(torch.uint8).sort(dim=-1, stable=True).indices
-    return [ascending[r, :n] for r, n in enumerate(sizes)]
+    return [ascending[r, :n + tail] for r, n in enumerate(sizes)]
 
 
 def window_attention(window_queries: torch.Tensor, keys: torch.Tensor,

@@ -41,10 +41,12 @@ class WindowScores:
 class AttentionSelection:
     two_stage = False
 
-    def select(self, budgets: list[int], ws: WindowScores) -> list[torch.Tensor]:
+    def select(self, budgets: list[int], ws: WindowScores, tail: int = 0) -> list[torch.Tensor]:
+        """Per row, the ascending positions of its top ``budgets[r]`` prefix entries, then of the ``tail`` entries
+        after the prefix that every row keeps (``positions``)."""
         budgets = [min(b, ws.stage1.shape[1]) for b in budgets]
         ks = upload(budgets, ws.stage1.device)
-        return positions(ws.conventions.top_mask(ws.stage1, ks, budgets), budgets)
+        return positions(ws.conventions.top_mask(ws.stage1, ks, budgets), budgets, tail)
 
 
 @dataclass
@@ -107,9 +109,11 @@ class PerturbationSelection:
         sizes = self.stage1_sizes(budgets, ws)
         return positions(ws.conventions.top_mask(ws.stage1, upload(sizes, ws.stage1.device), sizes), sizes)
 
-    def select(self, budgets: list[int], ws: WindowScores, exhaustive: bool = False) -> list[torch.Tensor]:
-        """Stage 1, then stage 2's top entries per KV head. ``exhaustive`` computes every entry's stage-2
-        score; otherwise only the candidates the bound leaves (the same entries are kept either way)."""
+    def select(self, budgets: list[int], ws: WindowScores, exhaustive: bool = False,
+               tail: int = 0) -> list[torch.Tensor]:
+        """Stage 1, then stage 2's top entries per KV head, then the ``tail`` entries after the prefix that every
+        row keeps, as ``AttentionSelection.select``. ``exhaustive`` computes every entry's stage-2 score;
+        otherwise only the candidates the bound leaves (the same entries are kept either way)."""
         budgets = [min(b, ws.stage1.shape[1]) for b in budgets]
         sizes = self.stage1_sizes(budgets, ws)
         first = ws.conventions.top_mask(ws.stage1, upload(sizes, ws.stage1.device), sizes)
@@ -118,7 +122,7 @@ class PerturbationSelection:
         stage2 = Stage2(self, ws, excluded, counts)
         # Norms shared by the runs of a prefill are computed for every entry anyway: no bound can save work.
         scores = stage2.exhaustive() if exhaustive or stage2.shared_norms is not None else stage2.bounded(self.work)
-        return positions(first | ws.conventions.top_mask(scores, stage2.k, counts), budgets)
+        return positions(first | ws.conventions.top_mask(scores, stage2.k, counts), budgets, tail)
 
     def stage2_attention(self, ws: WindowScores) -> torch.Tensor:
         return (ws.mean_attention if self.stage2_source == "unpooled" else ws.pooled_attention) + self.epsilon
@@ -185,10 +189,13 @@ class Stage2:
         self.slack = (1 + torch.finfo(ws.prefix_values.dtype).eps) * (1 + ROUNDING)
         self.k = upload(counts, self.device)                                                        # (rows,)
         self._signs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._columns: torch.Tensor | None = None     # 0, 1, ..., m - 1: what ``below`` compares with
 
     def below(self, sizes: list[int], width: int) -> torch.Tensor:
-        """(rows, width) True at each row's first ``sizes[r]`` positions."""
-        return torch.arange(width, device=self.device) < upload(sizes, self.device)[:, None]
+        """(rows, width) True at each row's first ``sizes[r]`` positions (width at most m)."""
+        if self._columns is None:
+            self._columns = torch.arange(self.m, device=self.device)
+        return self._columns[:width] < upload(sizes, self.device)[:, None]
 
     def at(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """``x`` (rows, ..., m) at entries ``idx`` (rows, c) of each row -> (rows, ..., c)."""
@@ -236,9 +243,9 @@ class Stage2:
         entries of ``y = v W^O_h``, and ``||v W^O_h||_2^2 <= lambda_max(G_h) ||v||_2^2``: d multiply-adds per
         entry, shared by the group's query heads."""
         projection = output_projection(self.ws.o_proj_weight, self.d)
-        squares = self.ws.prefix_values.float().square().sum(-1)                          # (rows, m)
-        eigenvalues = projection.top_eigenvalues.view(self.rows, self.group, 1)
-        norms = (self.hidden * eigenvalues * squares[:, None, :]).sqrt()                  # (rows, group, m)
+        lengths = torch.linalg.vector_norm(self.ws.prefix_values, dim=-1, dtype=torch.float32)   # (rows, m)
+        scales = (self.hidden * projection.top_eigenvalues).sqrt().view(self.rows, self.group, 1)
+        norms = scales * lengths[:, None, :]                                              # (rows, group, m)
         return (self.selection.combine(self.attention, norms) * self.slack).masked_fill(self.excluded, float("-inf"))
 
     def sign_projections(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import check_room
-from .base import LayerState, Method, window_positions
+from .base import LayerState, Method
 from .conventions import PAPER, Conventions
 from .scores import group_mean, pool_scores, window_attention
 from .selection import AttentionSelection, PerturbationSelection, WindowScores
@@ -84,8 +84,8 @@ class WindowEviction(Method):
         planned = self.plan(layer)
         if planned is None:
             return None
-        window = window_positions(layer.n_tokens, self.window, layer.keys.device)
-        return [torch.cat([prefix, window]) for prefix in self.selection.select(planned[1], planned[0])]
+        # The window's positions follow the prefix's m = n - window: the selection appends them to every row.
+        return self.selection.select(planned[1], planned[0], tail=self.window)
 
     def stage1(self, layer: LayerState):
         planned = self.plan(layer)
