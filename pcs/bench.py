@@ -298,9 +298,11 @@ def measure_pools(model, method, ids, sizes: list[int], decode_tokens: int, grap
 
 
 def summarize(samples: list[dict]) -> dict:
-    """Medians of the timings, the most extra memory, and the (deterministic) cache sizes."""
+    """Medians of the timings (and each round's prefill), the most extra memory, and the (deterministic) cache
+    sizes."""
     totals = [s["peak_mem_total_bytes"] for s in samples if s["peak_mem_total_bytes"] is not None]
     return {"prefill_s": statistics.median(s["prefill_s"] for s in samples),
+            "prefill_rounds_s": [s["prefill_s"] for s in samples],
             "compress_s": statistics.median(s["compress_s"] for s in samples),
             "decode_ms_per_token": statistics.median(s["decode_ms_per_token"] for s in samples),
             "kv_bytes": samples[-1]["kv_bytes"], "kv_bytes_full": samples[-1]["kv_bytes_full"],
@@ -514,8 +516,9 @@ def selection_table(rows: list[dict]) -> str:
         return ""
     lines = ["| context | method | budget | conventions | compression | compression s: attention, perturbation | "
              "perturbation / attention | whole prefills | exact norms / entries | d^2 bounds / entries | kept on the "
-             "lower bound / entries | heads with a second round | ops per layer: attention, perturbation |",
-             "|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "lower bound / entries | heads with a second round | ops per layer: attention, perturbation | "
+             "median over fastest round: attention, perturbation |",
+             "|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for o in pairs:
         r = o.row
         times = f"{o.base['compress_s']:.3f}, {r['compress_s']:.3f}" if "compress_s" in r else "-"
@@ -527,9 +530,26 @@ def selection_table(rows: list[dict]) -> str:
                      f"{compression_label(r)} | "
                      f"{times} | {o.ratio:.3f} | "
                      f"{o.wall_ratio:.3f} | {share('stage2_exact_share')} | {share('stage2_gram_share')} | "
-                     f"{share('stage2_certified_share')} | {share('stage2_widened_share')} | {ops} |")
+                     f"{share('stage2_certified_share')} | {share('stage2_widened_share')} | {ops} | "
+                     f"{spread(o.base)}, {spread(r)}{' (void)' if o.void else ''} |")
     return "\n".join(lines)
 
+
+def rounds_spread(row: dict) -> float | None:
+    """How far a row's median prefill lies above its fastest round (0.1: 10 %), where the row kept its rounds: with
+    3 rounds or more one outlier leaves the median where the others are, with 2 it moves it halfway."""
+    rounds = row.get("prefill_rounds_s")
+    return statistics.median(rounds) / min(rounds) - 1 if rounds and len(rounds) > 1 else None
+
+
+def spread(row: dict) -> str:
+    value = rounds_spread(row)
+    return "-" if value is None else f"{100 * value:.0f} %"
+
+
+# A pair is void where a row's median lies more than this above its fastest round: an outlier round (another
+# process, a clock change) moved the median by more than the overheads measured.
+VOID_SPREAD = 0.10
 
 # Perturbation selection's prefill plus compression over attention selection's, at most, by context.
 SELECTION_OVERHEAD = {8192: 1.10, 32768: 1.03}
@@ -541,6 +561,11 @@ class Overhead:
     """A perturbation row against the attention row with the same context, method, budget and preset."""
     row: dict
     base: dict
+
+    @property
+    def void(self) -> bool:
+        """Whether either row's rounds disagree by more than ``VOID_SPREAD``: its ratio says nothing."""
+        return any((rounds_spread(r) or 0) > VOID_SPREAD for r in (self.row, self.base))
 
     @property
     def wall_ratio(self) -> float:
@@ -576,14 +601,23 @@ def targets(rows: list[dict]) -> list[str]:
     out = []
     overheads = selection_overheads(rows)
     for context in sorted({o.row["context"] for o in overheads}):
-        here = [o for o in overheads if o.row["context"] == context]
+        void = [o for o in overheads if o.row["context"] == context and o.void]
+        here = [o for o in overheads if o.row["context"] == context and not o.void]
+        voided = (f"; {len(void)} void, a row's median more than {100 * VOID_SPREAD:.0f} % above its fastest round: "
+                  + ", ".join(f"{o.row['method']} {selection_label(o.row)} b{o.row['budget']}" for o in void)) \
+            if void else ""
+        if not here:
+            out.append(f"perturbation over attention selection, prefill + compression at {context}: no pair"
+                       f"{voided}")
+            continue
         worst = max(here, key=lambda o: o.ratio)
         r = worst.row
         limit = (CPU_SELECTION_OVERHEAD if r["device"] == "cpu" else SELECTION_OVERHEAD).get(context)
         walls = [o.wall_ratio for o in here]
         out.append(f"perturbation over attention selection, prefill + compression at {context}: "
                    f"{min(o.ratio for o in here):.3f}x to {worst.ratio:.3f}x over {len(here)} pairs (most: {r['method']} "
-                   f"{selection_label(r)} b{r['budget']}; whole prefills' ratios {min(walls):.3f}x to {max(walls):.3f}x)"
+                   f"{selection_label(r)} b{r['budget']}; whole prefills' ratios {min(walls):.3f}x to {max(walls):.3f}x"
+                   f"{voided})"
                    + (f" [target <= {limit:.2f}x: {'met' if worst.ratio <= limit else 'missed'}]" if limit else ""))
     for r in rows:
         if r["budget"] == 128 and r["context"] in (32768, 131072):

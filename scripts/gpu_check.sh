@@ -28,6 +28,12 @@
 #   TESTS=0 CONTEXTS=8192 METHODS="snapkv pyramidkv adakv" POOLS= REPEATS=2 DECODE_TOKENS=2 bash scripts/gpu_check.sh
 #   TESTS=0 APPEND=1 CONTEXTS=32768 METHODS="snapkv pyramidkv adakv" POOLS= REPEATS=2 DECODE_TOKENS=2 ANALYSIS=0 ...
 # and the overlap's A/B in the same lease: TESTS=0 APPEND=1 CONTEXTS=8192 METHODS=snapkv PRESETS= BEHIND=0 (then 1) ...
+# With 2 rounds one outlier round moves a row's median halfway: the report voids such pairs (a median more than 10 %
+# above the row's fastest round; an attention row at 8K once took 0.339 s against 0.249-0.253 s). REPEATS=3 keeps
+# the median off a single outlier, at half as much time again.
+# An A/B against older code on the same machine: its checkout, carried, with hydra_plugins/ beside its pcs/ (the
+# launcher plugin pcs's configs name): `git archive <commit> pcs hydra_plugins | tar -x -C .devtmp/base`, carry
+# [".devtmp/base"], and run `python -m pcs.bench` from there.
 # The norms kernel's A/B (8K, SnapKV and criticalkv, about 80 s each on an H200; its tests: -k value_norm_kernel and
 # -k bounded_stage2, whose 6 cells run with and without it):
 #   TESTS=0 APPEND=1 CONTEXTS=8192 METHODS=snapkv POOLS= REPEATS=2 DECODE_TOKENS=2 KERNEL=0 bash scripts/gpu_check.sh

@@ -1,5 +1,6 @@
 """The benchmark runs end to end on a tiny model and writes well-formed rows (timings not asserted)."""
 import json
+import statistics
 
 import pytest
 
@@ -202,3 +203,29 @@ def test_compression_ops_counts_the_operations_inside_keep_that_dispatch_work():
             torch.ones(2) * 3                    # outside keep
     assert (ops.layers, ops.ops, ops.per_layer) == (3, 6, 2.0)
     assert "keep" not in vars(method)             # the method is as it was
+
+
+def test_a_pair_whose_rounds_disagree_is_void_and_left_out_of_the_verdict():
+    """A row whose median prefill lies more than VOID_SPREAD above its fastest round (an outlier among 2 rounds)
+    voids its pair: the targets line names it and judges the other pairs alone. One outlier among 3 rounds leaves
+    the median alone and voids nothing; rows without rounds (older files) are judged as before."""
+    from pcs.bench import VOID_SPREAD, selection_overheads, targets
+
+    def row(method, selection, rounds):
+        return {"context": 8192, "method": method, "selection": selection, "budget": 1024, "preset": None,
+                "device": "cuda", "compression_layers_behind": 2, "prefill_s": statistics.median(rounds),
+                "prefill_rounds_s": rounds, "decode_speedup": 1.5, "decode_bound": 2.0}
+    rows = [row("snapkv", "attention", [0.250, 0.430]),              # an outlier among 2: the median 36 % above
+            row("snapkv", "perturbation", [0.300, 0.301]),
+            row("adakv", "attention", [0.250, 0.340, 0.251]),        # an outlier among 3: the median 0.4 % above
+            row("adakv", "perturbation", [0.270, 0.268, 0.271])]
+    pairs = selection_overheads(rows)
+    assert [o.void for o in pairs] == [True, False]
+    line = next(x for x in targets(rows) if x.startswith("perturbation over attention selection"))
+    assert "over 1 pairs" in line and f"1 void, a row's median more than {100 * VOID_SPREAD:.0f} % above its " \
+        "fastest round: snapkv perturbation b1024" in line
+    assert "[target <= 1.10x: met]" in line        # adakv's 0.270 / 0.251; snapkv's 0.882x is void
+    for r in rows:
+        del r["prefill_rounds_s"]
+    line = next(x for x in targets(rows) if x.startswith("perturbation over attention selection"))
+    assert "over 2 pairs" in line and "void" not in line and "[target <= 1.10x: met]" in line
