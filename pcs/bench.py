@@ -400,8 +400,12 @@ def run(args) -> list[dict]:
     behind = compression.layers_behind(torch.device(device))
     if args.value_norm_kernel is not None:
         scores.VALUE_NORM_KERNEL = args.value_norm_kernel
+    if args.stage2_search is not None:
+        scores.EXHAUSTIVE_ON_ACCELERATORS = args.stage2_search == "exhaustive"
     model = build_model(args.model, args.layers, device, args.model_path)
     kernel = scores.VALUE_NORM_KERNEL and value_norm_kernel.available(torch.device(device), head_dim(model.config))
+    search = "exhaustive" if scores.EXHAUSTIVE_ON_ACCELERATORS and scores.batches_rows(torch.device(device)) \
+        else "bounded"
     weights = weight_bytes(model)
     built = build_configurations(args)
     rows = []
@@ -432,7 +436,8 @@ def run(args) -> list[dict]:
             row = {"model": args.model, "device": device, "device_name": device_name(device),
                    "layers": model.config.num_hidden_layers, "method": config.method, "selection": config.selection,
                    "budget": config.budget, "preset": config.preset, "context": context, "repeats": args.repeats,
-                   "compression_layers_behind": behind, "value_norm_kernel": kernel, **result,
+                   "compression_layers_behind": behind, "value_norm_kernel": kernel,
+                   "stage2_search": search, **result,
                    "decode_bound": (weights + result["kv_bytes_full"]) / (weights + result["kv_bytes"]),
                    "decode_speedup": base["decode_ms_per_token"] / result["decode_ms_per_token"]}
             rows.append(row)
@@ -502,10 +507,12 @@ def markdown(rows: list[dict]) -> str:
 
 
 def compression_label(row: dict) -> str:
-    """How a row's prefill compressed: when, and (``--value-norm-kernel``) with which exact norms."""
+    """How a row's prefill compressed: when, with which exact norms (``--value-norm-kernel``) and whether stage 2
+    scored every entry (``--stage2-search``)."""
     layers = row.get("compression_layers_behind", 0)
     when = "after each layer" if not layers else f"{layers} layer{'s' if layers > 1 else ''} behind"
-    return when + (", norms kernel" if row.get("value_norm_kernel") else "")
+    return when + (", norms kernel" if row.get("value_norm_kernel") else "") \
+        + (", every entry scored" if row.get("stage2_search") == "exhaustive" else "")
 
 
 def selection_table(rows: list[dict]) -> str:
@@ -588,7 +595,7 @@ def selection_overheads(rows: list[dict]) -> list[Overhead]:
     """Each perturbation row paired with the attention row under the same conventions."""
     def key(r):
         return (r["context"], r["method"], r["budget"], r.get("preset"), r.get("compression_layers_behind", 0),
-                r.get("value_norm_kernel", False))
+                r.get("value_norm_kernel", False), r.get("stage2_search", "bounded"))
     attention = {key(r): r for r in rows if r["selection"] == "attention"}
     return [Overhead(r, attention[key(r)]) for r in rows if r["selection"] == "perturbation" and key(r) in attention]
 
@@ -669,6 +676,10 @@ def parse(argv=None):
                         "exact norms from pcs.kernels.value_norms's one kernel, or (--no-value-norm-kernel) from "
                         "batched products (default: pcs.eviction.scores.VALUE_NORM_KERNEL, on); rows say which in "
                         "value_norm_kernel, and the report pairs only rows alike")
+    parser.add_argument("--stage2-search", choices=["bounded", "exhaustive"], help="on an accelerator, stage 2 "
+                        "bounds its norms and scores the entries the bounds leave (bounded) or scores every entry "
+                        "(exhaustive; the same entries are kept). Default: "
+                        "pcs.eviction.scores.EXHAUSTIVE_ON_ACCELERATORS, bounded; rows say which in stage2_search")
     parser.add_argument("--project", metavar="OVERRIDE", nargs="+", help="print the GPU-hours a sweep would take "
                         "(e.g. experiment=table1), from --bench's measured costs; measures nothing")
     parser.add_argument("--bench", metavar="JSONL", help="--project: the bench results to project from")

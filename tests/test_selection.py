@@ -543,3 +543,30 @@ def test_one_layers_compression_dispatches_a_bounded_number_of_operations_on_acc
         method = build_method(compose_cfg(f"method={name}", "selection=attention", f"profile={profile}", "budget=120"))
         counts = [ops(method, n) for n in (600, 6000, 30000)]
         assert 0 < min(counts) and max(counts) <= 50, (profile, name, counts)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_scoring_every_entry_on_accelerators_keeps_the_bounded_searchs_entries_in_few_operations(profile, monkeypatch):
+    """EXHAUSTIVE_ON_ACCELERATORS (forced here on the CPU with an accelerator's plan): every method keeps what the
+    bounded search keeps, counts every live entry as scored, never reads the device in stage 2, and dispatches far
+    fewer operations than the bounded search."""
+    from pcs.bench import CompressionOps
+    import pcs.eviction.scores as scores_module
+    monkeypatch.setattr(scores_module, "batches_rows", lambda device: True)
+    layer = long_layer(3, n=3000)
+
+    def kept_and_ops(method):
+        method.keep(layer)
+        with CompressionOps(method) as counted:
+            kept = method.keep(layer)
+        return [k.tolist() for k in kept], counted.ops
+
+    for bounded, every in zip(every_method(profile, "pool_then_mean"), every_method(profile, "pool_then_mean")):
+        monkeypatch.setattr(scores_module, "EXHAUSTIVE_ON_ACCELERATORS", False)
+        kept, ops = kept_and_ops(bounded)
+        monkeypatch.setattr(scores_module, "EXHAUSTIVE_ON_ACCELERATORS", True)
+        reads = every.selection.work.host_reads
+        kept_every, ops_every = kept_and_ops(every)
+        assert kept_every == kept and ops_every < ops / 2, (ops_every, ops)
+        work = every.selection.work
+        assert work.host_reads == reads and work.exact == work.entries > 0

@@ -192,6 +192,14 @@ ACCELERATOR_TILE = 1024
 VALUE_NORM_KERNEL = True
 
 
+# Whether stage 2 on an accelerator scores every entry (one pass of the norms kernel, no bound, no read of the
+# device) instead of bounding: kept sets are the same either way. The bounded search costs about a hundred launches
+# and two or three reads a layer, where the host sets an 8K prefill's pace; scoring every entry costs the norms of
+# entries the bounds would rule out (75-96 % of them with the paper's knobs, 16-58 % with criticalkv's). Off until
+# a GPU has weighed the two (the bench's --stage2-search).
+EXHAUSTIVE_ON_ACCELERATORS = False
+
+
 def batches_rows(device: torch.device) -> bool:
     """Whether a layer's rows go through one batched product: on an accelerator, where a launch costs more than
     the padding it brings (the bounded stage 2's rows ask for unequal numbers of entries), not on a CPU, where
@@ -211,6 +219,7 @@ class NormPlan:
     temporaries: int
     accelerator: bool = False
     kernel: bool = False     # the norms from ``pcs.kernels.value_norms`` (VALUE_NORM_KERNEL, where it runs)
+    exhaustive: bool = False  # stage 2 scores every entry (EXHAUSTIVE_ON_ACCELERATORS, on an accelerator)
 
     @property
     def certifies(self) -> bool:
@@ -246,7 +255,8 @@ def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.d
     if batches_rows(device):
         together, budget, tile = rows, max(budget, ACCELERATOR_PRODUCT_BYTES), max(tile, ACCELERATOR_TILE)
     return NormPlan(together, min(tile, rows_per_chunk(budget, together * group * hidden, dtype)), budget,
-                    batches_rows(device), VALUE_NORM_KERNEL and value_norm_kernel.available(device, d))
+                    batches_rows(device), VALUE_NORM_KERNEL and value_norm_kernel.available(device, d),
+                    batches_rows(device) and EXHAUSTIVE_ON_ACCELERATORS)
 
 
 def projected_value_norms(values: torch.Tensor, weights: torch.Tensor, group: int, tile: int,

@@ -121,7 +121,12 @@ class PerturbationSelection:
         excluded = first if ws.valid is None else first | ~ws.valid
         stage2 = Stage2(self, ws, excluded, counts)
         # Norms shared by the runs of a prefill are computed for every entry anyway: no bound can save work.
-        scores = stage2.exhaustive() if exhaustive or stage2.shared_norms is not None else stage2.bounded(self.work)
+        if exhaustive or stage2.shared_norms is not None:
+            scores = stage2.exhaustive()
+        elif stage2.plan.exhaustive:        # the search this run makes (EXHAUSTIVE_ON_ACCELERATORS): counted
+            scores = stage2.exhaustive(self.work)
+        else:
+            scores = stage2.bounded(self.work)
         return positions(first | ws.conventions.top_mask(scores, stage2.k, counts), budgets, tail)
 
     def stage2_attention(self, ws: WindowScores) -> torch.Tensor:
@@ -234,8 +239,13 @@ class Stage2:
                                                                self.plan.tile, self.plan.fused, self.plan.kernel)
         return self.selection.combine(attention, norms)
 
-    def exhaustive(self) -> torch.Tensor:
-        """(rows, m) every entry's score, minus infinity where excluded: the reference."""
+    def exhaustive(self, work: Stage2Work | None = None) -> torch.Tensor:
+        """(rows, m) every entry's score, minus infinity where excluded: the reference. ``work`` counts it where it
+        is the search a run made."""
+        if work is not None:
+            live = sum(k > 0 for k in self.counts)
+            work.heads, work.layers = work.heads + live, work.layers + 1
+            work.entries, work.exact = work.entries + self.m * live, work.exact + self.m * live
         return self.exact().masked_fill(self.excluded, float("-inf"))
 
     def spectral_bounds(self) -> torch.Tensor:
