@@ -38,13 +38,18 @@
 # -k bounded_stage2, whose 6 cells run with and without it):
 #   TESTS=0 APPEND=1 CONTEXTS=8192 METHODS=snapkv POOLS= REPEATS=2 DECODE_TOKENS=2 KERNEL=0 bash scripts/gpu_check.sh
 #   (then without KERNEL=0)
+# Stage 2's search, bounded (the default) against every entry scored, at 8K where the host sets the pace (after the
+# tests; REPEATS=3 keeps a median off one outlier round):
+#   TESTS=0 CONTEXTS=8192 METHODS="snapkv adakv" POOLS= REPEATS=3 DECODE_TOKENS=2 SEARCH=bounded bash scripts/gpu_check.sh
+#   (then APPEND=1 ... SEARCH=exhaustive), and both at 32K: APPEND=1 CONTEXTS=32768 METHODS=snapkv ANALYSIS=0 ...
 # Knobs: CONTEXTS, METHODS (the full cache is always measured), BUDGETS, PRESETS, POOLS (decode pool sizes; empty:
 # no pools), REPEATS, ANALYSIS (the 32K perturbation analysis; default: only when CONTEXTS holds 32768), TESTS,
 # APPEND (add to the results file instead of starting it anew), EAGER=1 (pools without CUDA graphs), DECODE_TOKENS
 # (tokens decoded per row and pool, 32), BEHIND (how many layers behind the forward each layer is compressed, on a
 # stream of its own; 0: right after its forward, on the forward's stream: the A/B of the overlap; rows say which in
 # compression_layers_behind, and the report pairs only rows compressed alike), KERNEL=0 (stage 2's exact norms from
-# batched products instead of pcs.kernels.value_norms's one kernel, the default: the A/B of VALUE_NORM_KERNEL), PROFILE=1 (also one profiled prefill per
+# batched products instead of pcs.kernels.value_norms's one kernel, the default: the A/B of VALUE_NORM_KERNEL),
+# SEARCH (bounded or exhaustive: how stage 2 searches on the GPU, --stage2-search), PROFILE=1 (also one profiled prefill per
 # row into $DEST/profile/: the op tables and, per compressed layer, the kernels and device time of the operators
 # inside the compression).
 #
@@ -108,6 +113,7 @@ bench_args=(--model llama31-shape --layers 32 --device cuda --methods $METHODS -
 [ "$EAGER" = 0 ] || bench_args+=(--eager)
 [ -z "${BEHIND:-}" ] || bench_args+=(--layers-behind "$BEHIND")
 case "${KERNEL:-}" in 0) bench_args+=(--no-value-norm-kernel) ;; 1) bench_args+=(--value-norm-kernel) ;; esac
+[ -z "${SEARCH:-}" ] || bench_args+=(--stage2-search "$SEARCH")
 [ "${PROFILE:-0}" = 0 ] || bench_args+=(--profile "$DEST/profile")
 
 [ "${APPEND:-0}" = 1 ] || [ -z "$CONTEXTS" ] || : > "$OUT_FILE"
