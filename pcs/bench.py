@@ -19,6 +19,7 @@ decoding step limited by memory traffic would get from the smaller cache.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -394,14 +395,31 @@ def run(args) -> list[dict]:
     """Per context: a warm-up of every configuration, then ``repeats`` rounds that each measure every
     configuration once, so that slow drift of the machine falls on all configurations alike. Each row is printed
     as soon as its last round is measured, so a run stopped at a time limit keeps the rows before it."""
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    with engine_switches(args):
+        return measure(args)
+
+
+@contextlib.contextmanager
+def engine_switches(args):
+    """The engine's switches that the bench's flags set (--layers-behind, --value-norm-kernel, --stage2-search), for
+    one run: restored after it."""
+    saved = compression.LAYERS_BEHIND_ON_CUDA, scores.VALUE_NORM_KERNEL, scores.EXHAUSTIVE_ON_ACCELERATORS
     if args.layers_behind is not None:
         compression.LAYERS_BEHIND_ON_CUDA = args.layers_behind
-    behind = compression.layers_behind(torch.device(device))
     if args.value_norm_kernel is not None:
         scores.VALUE_NORM_KERNEL = args.value_norm_kernel
     if args.stage2_search is not None:
         scores.EXHAUSTIVE_ON_ACCELERATORS = args.stage2_search == "exhaustive"
+    try:
+        yield
+    finally:
+        compression.LAYERS_BEHIND_ON_CUDA, scores.VALUE_NORM_KERNEL, scores.EXHAUSTIVE_ON_ACCELERATORS = saved
+
+
+def measure(args) -> list[dict]:
+    """``run``'s rows, under the switches it set."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    behind = compression.layers_behind(torch.device(device))
     model = build_model(args.model, args.layers, device, args.model_path)
     kernel = scores.VALUE_NORM_KERNEL and value_norm_kernel.available(torch.device(device), head_dim(model.config))
     search = "exhaustive" if scores.EXHAUSTIVE_ON_ACCELERATORS and scores.batches_rows(torch.device(device)) \
@@ -570,9 +588,25 @@ class Overhead:
     base: dict
 
     @property
+    def outliers(self) -> list[str]:
+        """The pair's rows (attention, perturbation) whose median lies more than ``VOID_SPREAD`` above their fastest
+        round, where the ratio is the whole prefills' (the compressions' difference is measured apart from the
+        forward's rounds)."""
+        if not self.whole_prefills:
+            return []
+        return [name for name, r in (("attention", self.base), ("perturbation", self.row))
+                if (rounds_spread(r) or 0) > VOID_SPREAD]
+
+    @property
     def void(self) -> bool:
-        """Whether either row's rounds disagree by more than ``VOID_SPREAD``: its ratio says nothing."""
-        return any((rounds_spread(r) or 0) > VOID_SPREAD for r in (self.row, self.base))
+        """Whether an outlier round moved a row's median: the ratio says nothing."""
+        return bool(self.outliers)
+
+    @property
+    def whole_prefills(self) -> bool:
+        """Whether ``ratio`` is the whole prefills' ratio."""
+        return "compress_s" not in self.row or "compress_s" not in self.base \
+            or bool(self.row.get("compression_layers_behind"))
 
     @property
     def wall_ratio(self) -> float:
@@ -586,7 +620,7 @@ class Overhead:
         the difference of the compressions' medians measures the overhead without the forward's noise, which on a
         busy CPU is larger than the overhead itself. Where the compression ran behind the forward, beside it (CUDA's
         ``compression_layers_behind``), its seconds are not added to the prefill's: the whole prefills' ratio."""
-        if "compress_s" not in self.row or "compress_s" not in self.base or self.row.get("compression_layers_behind"):
+        if self.whole_prefills:
             return self.wall_ratio
         return (self.base["prefill_s"] - self.base["compress_s"] + self.row["compress_s"]) / self.base["prefill_s"]
 
@@ -611,7 +645,8 @@ def targets(rows: list[dict]) -> list[str]:
         void = [o for o in overheads if o.row["context"] == context and o.void]
         here = [o for o in overheads if o.row["context"] == context and not o.void]
         voided = (f"; {len(void)} void, a row's median more than {100 * VOID_SPREAD:.0f} % above its fastest round: "
-                  + ", ".join(f"{o.row['method']} {selection_label(o.row)} b{o.row['budget']}" for o in void)) \
+                  + ", ".join(f"{o.row['method']} {selection_label(o.row)} b{o.row['budget']} (its "
+                              f"{' and '.join(o.outliers)} row)" for o in void)) \
             if void else ""
         if not here:
             out.append(f"perturbation over attention selection, prefill + compression at {context}: no pair"

@@ -546,14 +546,17 @@ def test_one_layers_compression_dispatches_a_bounded_number_of_operations_on_acc
 
 
 @pytest.mark.parametrize("profile", PROFILES)
-def test_scoring_every_entry_on_accelerators_keeps_the_bounded_searchs_entries_in_few_operations(profile, monkeypatch):
+@pytest.mark.parametrize("gqa", ["pool_then_mean", "per_query_head"])
+@pytest.mark.parametrize("pad", [None, torch.tensor([0, 137])])
+def test_scoring_every_entry_on_accelerators_keeps_the_bounded_searchs_entries_in_few_operations(profile, gqa, pad,
+                                                                                                 monkeypatch):
     """EXHAUSTIVE_ON_ACCELERATORS (forced here on the CPU with an accelerator's plan): every method keeps what the
     bounded search keeps, counts every live entry as scored, never reads the device in stage 2, and dispatches far
     fewer operations than the bounded search."""
     from pcs.bench import CompressionOps
     import pcs.eviction.scores as scores_module
     monkeypatch.setattr(scores_module, "batches_rows", lambda device: True)
-    layer = long_layer(3, n=3000)
+    layer = long_layer(3, n=3000, pad=pad)
 
     def kept_and_ops(method):
         method.keep(layer)
@@ -561,7 +564,7 @@ def test_scoring_every_entry_on_accelerators_keeps_the_bounded_searchs_entries_i
             kept = method.keep(layer)
         return [k.tolist() for k in kept], counted.ops
 
-    for bounded, every in zip(every_method(profile, "pool_then_mean"), every_method(profile, "pool_then_mean")):
+    for bounded, every in zip(every_method(profile, gqa), every_method(profile, gqa)):
         monkeypatch.setattr(scores_module, "EXHAUSTIVE_ON_ACCELERATORS", False)
         kept, ops = kept_and_ops(bounded)
         monkeypatch.setattr(scores_module, "EXHAUSTIVE_ON_ACCELERATORS", True)

@@ -244,6 +244,8 @@ class Stage2:
         is the search a run made."""
         if work is not None:
             live = sum(k > 0 for k in self.counts)
+            if not live:            # nothing to choose: no work, as the bounded search counts it
+                return torch.full((self.rows, self.m), float("-inf"), device=self.device)
             work.heads, work.layers = work.heads + live, work.layers + 1
             work.entries, work.exact = work.entries + self.m * live, work.exact + self.m * live
         return self.exact().masked_fill(self.excluded, float("-inf"))
