@@ -40,7 +40,8 @@
 #   (then without KERNEL=0)
 # Stage 2's search, bounded (the default) against every entry scored, at 8K where the host sets the pace (after the
 # tests; REPEATS=3 keeps a median off one outlier round):
-#   TESTS=0 CONTEXTS=8192 METHODS="snapkv adakv" POOLS= REPEATS=3 DECODE_TOKENS=2 SEARCH=bounded bash scripts/gpu_check.sh
+#   python3 -m pytest -q -m gpu tests/test_gpu.py -k "scoring_every or bounded_stage2 or syncs_a_constant"
+#   TESTS=0 CONTEXTS=8192 METHODS=snapkv POOLS= REPEATS=3 DECODE_TOKENS=2 SEARCH=bounded bash scripts/gpu_check.sh
 #   (then APPEND=1 ... SEARCH=exhaustive), and both at 32K: APPEND=1 CONTEXTS=32768 METHODS=snapkv ANALYSIS=0 ...
 # Knobs: CONTEXTS, METHODS (the full cache is always measured), BUDGETS, PRESETS, POOLS (decode pool sizes; empty:
 # no pools), REPEATS, ANALYSIS (the 32K perturbation analysis; default: only when CONTEXTS holds 32768), TESTS,

@@ -210,23 +210,40 @@ STAGE2_CELLS = [("method=snapkv", "selection=perturbation"), ("method=pyramidkv"
 def test_cuda_layer_compression_syncs_a_constant_number_of_times(cell):
     """CUDA's own count of host synchronisations (set_sync_debug_mode warns at each) in one layer's compression is at
     most test_selection.MOST_HOST_READS at 4K and at 32K tokens (the budgets, AdaKV's allocation, stage 2's rounds)."""
-    import warnings
     from test_selection import MOST_HOST_READS
     chosen = build_method(compose_cfg(*cell, "budget=1024"))
-    counts = []
-    for n in (4096, 32768):
-        layer = cuda_layer(n)
-        chosen.keep(layer)                                    # warm-up: kernels, allocator
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                chosen.keep(layer)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        counts.append(sum("synchroniz" in str(w.message) for w in caught))
+    counts = [cuda_syncs(chosen, cuda_layer(n)) for n in (4096, 32768)]
     assert 1 <= min(counts) and max(counts) <= MOST_HOST_READS, counts
+
+
+def cuda_syncs(method, layer) -> int:
+    """Host synchronisations CUDA counts (set_sync_debug_mode warns at each) in one ``keep`` of ``layer``, warm."""
+    import warnings
+    method.keep(layer)                                        # warm-up: kernels, allocator
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            method.keep(layer)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("cell", STAGE2_CELLS)
+def test_cuda_scoring_every_entry_keeps_the_same_entries_with_fewer_syncs(cell, monkeypatch):
+    """EXHAUSTIVE_ON_ACCELERATORS (the bench's --stage2-search exhaustive) on the GPU: the entries the bounded search
+    keeps, with fewer host synchronisations (stage 2 reads nothing)."""
+    import pcs.eviction.scores
+    layer = cuda_layer(4096)
+    runs = {}
+    for every in (False, True):
+        monkeypatch.setattr(pcs.eviction.scores, "EXHAUSTIVE_ON_ACCELERATORS", every)
+        method = build_method(compose_cfg(*cell, "budget=1024"))
+        runs[every] = [k.tolist() for k in method.keep(layer)], cuda_syncs(method, layer)
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] < runs[False][1], runs
 
 
 @pytest.mark.parametrize("kernel", [False, True])
