@@ -38,7 +38,7 @@
 # -k bounded_stage2, whose 6 cells run with and without it):
 #   TESTS=0 APPEND=1 CONTEXTS=8192 METHODS=snapkv POOLS= REPEATS=2 DECODE_TOKENS=2 KERNEL=0 bash scripts/gpu_check.sh
 #   (then without KERNEL=0)
-# Stage 2's search, bounded (the default) against every entry scored, at 8K where the host sets the pace (after the
+# Stage 2's search, bounded (the default) against every entry scored, at 8K, where the host seems to set the pace (after the
 # tests; REPEATS=3 keeps a median off one outlier round):
 #   python3 -m pytest -q -m gpu tests/test_gpu.py -k "scoring_every or bounded_stage2 or syncs_a_constant"
 #   TESTS=0 CONTEXTS=8192 METHODS=snapkv POOLS= REPEATS=3 DECODE_TOKENS=2 SEARCH=bounded bash scripts/gpu_check.sh
