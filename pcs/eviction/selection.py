@@ -61,6 +61,10 @@ class Stage2Work:
     host_reads: int = 0       # times stage 2 waited for the device
     layers: int = 0           # layers it selected in
 
+    def add_layer(self, heads: int, m: int) -> None:
+        """A layer in which ``heads`` rows of ``m`` prefix entries chose by stage 2."""
+        self.heads, self.entries, self.layers = self.heads + heads, self.entries + m * heads, self.layers + 1
+
     @property
     def exact_share(self) -> float:
         return self.exact / self.entries if self.entries else 0.0
@@ -209,8 +213,9 @@ class Stage2:
         return x.gather(-1, idx.view(self.rows, *[1] * (x.dim() - 2), -1).expand(*x.shape[:-1], -1))
 
     def values_at(self, idx: torch.Tensor) -> torch.Tensor:
-        """(rows, c, d) value vectors of entries ``idx`` (rows, c): one gather kernel under an accelerator's plan,
-        rows picked from a view of the values on a CPU (``rows_at``)."""
+        """(rows, c, d) value vectors of entries ``idx`` (rows, c): one gather kernel under an accelerator's plan
+        (also where the plan is forced on a CPU, so that its operations are counted as a GPU dispatches them), rows
+        picked from a view of the values on a CPU (``rows_at``)."""
         if self.plan.accelerator:
             return self.ws.prefix_values.gather(1, idx[..., None].expand(-1, -1, self.d))
         return rows_at(self.ws.prefix_values, idx)
@@ -246,8 +251,8 @@ class Stage2:
             live = sum(k > 0 for k in self.counts)
             if not live:            # nothing to choose: no work, as the bounded search counts it
                 return torch.full((self.rows, self.m), float("-inf"), device=self.device)
-            work.heads, work.layers = work.heads + live, work.layers + 1
-            work.entries, work.exact = work.entries + self.m * live, work.exact + self.m * live
+            work.add_layer(live, self.m)
+            work.exact += self.m * live
         return self.exact().masked_fill(self.excluded, float("-inf"))
 
     def spectral_bounds(self) -> torch.Tensor:
@@ -353,7 +358,7 @@ class Stage2:
             return scores[:, :m]
         factor = ACCELERATOR_POOL if self.plan.accelerator else POOL
         pools = [min(m, max(factor * k, k + 256)) if k else 0 for k in counts]
-        work.heads, work.entries, work.layers = work.heads + sum(live), work.entries + m * sum(live), work.layers + 1
+        work.add_layer(sum(live), m)
 
         # Round 0: the d^2 bounds in each row's pool, the d bound elsewhere; the entries certified.
         spectral = self.spectral_bounds()                                                 # (rows, m)
@@ -368,14 +373,15 @@ class Stage2:
             kept = self.read(work, certified.sum(-1))[0]
             work.certified += sum(kept)
             scores.scatter_(1, pool, torch.where(certified, float("inf"), inf))
+            unsettled = in_pool & ~certified                                              # pool entries left
         else:
-            certified, kept = torch.zeros_like(in_pool), [0] * self.rows
+            unsettled, kept = in_pool, [0] * self.rows
 
         # Round 1: exact scores for the best of the rest of the pool by the upper bounds.
         sizes = [min(size - c, -(-first_candidates(k - c) // self.plan.tile) * self.plan.tile) if k else 0
                  for k, c, size in zip(counts, kept, pools)]
         if max(sizes):
-            best, order = bound.masked_fill(~in_pool | certified, inf).topk(max(sizes), dim=-1)
+            best, order = bound.masked_fill(~unsettled, inf).topk(max(sizes), dim=-1)
             candidates = pool.gather(1, order)
             self.score(candidates, self.below(sizes, order.shape[1]) & (best > inf), sizes, scores, work)
         view = scores[:, :m]
