@@ -225,7 +225,7 @@ class NormPlan:
     def certifies(self) -> bool:
         """Whether the bounded stage 2 keeps entries on a lower bound of their norms, without their exact score
         (its round 0): on a CPU, where it spares exact norms (about a tenth of the entries at budget 1,024 on the
-        embedded model, results/bench/README.md); not on an accelerator, where the round's fifty-odd launches and
+        embedded model, results/bench/README.md); not on an accelerator, where the round's sixty-odd launches and
         its wait for the device cost more than the exact norms it spares, and where with Llama-3.1-8B's shapes
         (random weights) it kept no entry."""
         return not self.accelerator
