@@ -194,7 +194,7 @@ VALUE_NORM_KERNEL = True
 
 # Whether stage 2 on an accelerator scores every entry (one pass of the norms kernel, no bound, no read of the
 # device) instead of bounding: kept sets are the same either way. The bounded search costs about a hundred launches
-# and two or three reads a layer, where the host sets an 8K prefill's pace; scoring every entry costs the norms of
+# and two or three reads a layer, where the host seems to set an 8K prefill's pace; scoring every entry costs the norms of
 # entries the bounds would rule out (75-96 % of them with the paper's knobs, 16-58 % with criticalkv's). Off until
 # a GPU has weighed the two (the bench's --stage2-search).
 EXHAUSTIVE_ON_ACCELERATORS = False
