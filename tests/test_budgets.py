@@ -52,3 +52,26 @@ def test_adaptive_total_floor_and_brute_force_counts():
 def test_largest_remainder_rounds_to_the_total():
     shares = torch.tensor([1.5, 1.5, 1.0], dtype=torch.float64)
     assert largest_remainder(shares, 4).tolist() == [2, 1, 1]
+
+
+def hamilton(shares: list[float], total: int) -> list[int]:
+    """Hamilton's method written out: floors, then one more for the largest remainders, the earlier head first among
+    equal ones, until the total is reached."""
+    base = [int(x // 1) for x in shares]
+    order = sorted(range(len(shares)), key=lambda i: (-(shares[i] - base[i]), i))
+    for i in order[:max(0, total - sum(base))]:
+        base[i] += 1
+    return base
+
+
+def test_largest_remainder_is_hamiltons_method_ties_included():
+    """Against the method written out, on shares whose remainders tie often (quarters), from totals the floors miss
+    by 0 to n - 1."""
+    g = torch.Generator().manual_seed(1)
+    for trial in range(200):
+        n = int(torch.randint(1, 12, (1,), generator=g))
+        total = int(torch.randint(0, 400, (1,), generator=g))
+        quarters = torch.randint(0, 4, (n,), generator=g).double() / 4
+        weights = torch.rand(n, generator=g, dtype=torch.float64) if trial % 2 else torch.ones(n, dtype=torch.float64)
+        shares = (weights / weights.sum() * total).floor() + quarters     # remainders 0, 1/4, 1/2, 3/4: ties
+        assert largest_remainder(shares, total).tolist() == hamilton(shares.tolist(), total), shares

@@ -209,7 +209,7 @@ STAGE2_CELLS = [("method=snapkv", "selection=perturbation"), ("method=pyramidkv"
 @pytest.mark.parametrize("cell", STAGE2_CELLS)
 def test_cuda_layer_compression_syncs_a_constant_number_of_times(cell):
     """CUDA's own count of host synchronisations (set_sync_debug_mode warns at each) in one layer's compression is at
-    most test_selection.MOST_HOST_READS at 4K and at 32K tokens (the budgets, AdaKV's allocation, stage 2's rounds)."""
+    most test_selection.MOST_HOST_READS at 4K and at 32K tokens (the budgets, stage 2's rounds)."""
     from test_selection import MOST_HOST_READS
     chosen = build_method(compose_cfg(*cell, "budget=1024"))
     counts = [cuda_syncs(chosen, cuda_layer(n)) for n in (4096, 32768)]
@@ -271,7 +271,8 @@ def test_cuda_bounded_stage2_keeps_what_exhaustive_stage2_keeps(cell, kernel, mo
 def test_cuda_value_norm_kernel_gives_the_norms_and_each_entry_the_same_bits_in_any_set(dtype):
     """``pcs.kernels.value_norms`` on Llama-3.1-8B's shapes (a KV head's 4 query heads, d = 128, hidden 4,096): within
     float32's accumulation of the float64 norms of the same inputs, at most the torch path's distance from them; and an
-    entry's norm is the same bits scored alone, in a subset or in every entry (what the bounded stage 2 relies on)."""
+    entry's norm is the same bits scored alone, in a subset, in every entry or in a row asking for fewer than the others
+    (what the bounded stage 2 relies on)."""
     from pcs.eviction.scores import group_weights, projected_value_norms
     from pcs.kernels.value_norms import available, value_norms
     assert available(torch.device("cuda"), 128)
@@ -289,3 +290,9 @@ def test_cuda_value_norm_kernel_gives_the_norms_and_each_entry_the_same_bits_in_
     assert torch.equal(value_norms(layer.values[:, some[:768]], weights, group), got[..., some[:768]])
     assert torch.equal(value_norms(layer.values[:, 1234:1235], weights, group), got[..., 1234:1235])
     assert torch.equal(value_norms(layer.values[2:5], weights[2:5], group), got[2:5])
+    # Rows asking for unequal numbers of entries (none, part of a block, whole blocks, all): those entries' bits, zeros
+    # past them.
+    sizes = [0, 1, 63, 64, 65, 1000, 2999, 3000]
+    ragged = value_norms(layer.values, weights, group, torch.tensor(sizes, device="cuda"))
+    for r, n in enumerate(sizes):
+        assert torch.equal(ragged[r, :, :n], got[r, :, :n]) and not ragged[r, :, n:].any(), (r, n)

@@ -30,7 +30,8 @@ def kvpress_budgets(scores: torch.Tensor, budget: int, window: int, safeguard: f
     ``max + 1`` (SnapKVPress), each head's top ``max(1, int(budget * safeguard))`` entries (window first) are
     protected, then one top-k over the layer's ``H x budget`` entries."""
     n_kv_heads, n_prefix = scores.shape
-    padded = torch.cat([scores, scores.new_full((n_kv_heads, window), scores.max().item() + 1)], dim=1)
+    # the window's score stays on the device (no ``item()``): the float32 sum is the Python one rounded to float32
+    padded = torch.cat([scores, (scores.max() + 1).expand(n_kv_heads, window)], dim=1)
     n_safe = max(1, int(budget * safeguard)) if safeguard > 0 else 0
     protected = padded.topk(n_safe, dim=-1).indices
     padded = padded.scatter(-1, protected, torch.finfo(padded.dtype).max)
@@ -57,14 +58,14 @@ def heads_won(winners: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
 
 
 def largest_remainder(shares: torch.Tensor, total: int) -> torch.Tensor:
-    """Round non-negative ``shares`` to integers that sum to ``total`` (Hamilton's method)."""
+    """Round non-negative ``shares`` to integers that sum to ``total`` (Hamilton's method): the ``missing`` largest
+    remainders (the earlier head first among equal ones) get one more. ``missing`` stays on the device, compared
+    with each head's rank: reading it to slice the order would make a GPU's host wait."""
     base = shares.floor().long()
-    missing = int(total - base.sum())
-    if missing > 0:
-        order = (shares - base).argsort(descending=True, stable=True)
-        # not ``base[order[:missing]] += 1``: its 1 would be copied from the host, a wait on a GPU
-        base.index_add_(0, order[:missing], torch.ones_like(order[:missing]))
-    return base
+    missing = total - base.sum()
+    order = (shares - base).argsort(descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+    return base + (rank < missing)
 
 
 @dataclass

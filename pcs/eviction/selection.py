@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .conventions import PAPER, Conventions
+from ..kernels import value_norms as value_norm_kernel
 from ..tensor_rows import rows_at
 from ..upload import upload
 from .scores import SharedScores, group_weights, norm_plan, output_projection, positions, \
@@ -222,8 +223,8 @@ class Stage2:
 
     def exact(self, idx: torch.Tensor | None = None, sizes: list[int] | None = None) -> torch.Tensor:
         """(rows, c) stage-2 scores of entries ``idx`` (rows, c) (every entry by default). With ``sizes``, only
-        each row's first ``sizes[r]`` are asked for: a batch of rows computes up to its largest, the rest of the
-        scores is to be discarded."""
+        each row's first ``sizes[r]`` are asked for: the norms kernel computes those, a batch of rows in products up
+        to its largest; the rest of the scores is to be discarded."""
         attention = self.attention if idx is None else self.at(self.attention, idx)
         if self.shared_norms is not None:
             norms = self.shared_norms if idx is None else self.at(self.shared_norms, idx)
@@ -231,9 +232,11 @@ class Stage2:
         values = self.ws.prefix_values if idx is None else self.values_at(idx)
         weights = group_weights(self.ws.o_proj_weight, self.rows, self.d)               # (rows, d, group * hidden)
         width = values.shape[1]
-        if self.plan.together >= self.rows and (sizes is None or max(sizes) == width):     # one product, no copy
-            norms = projected_value_norms(values, weights, self.group, self.plan.tile, self.plan.fused,
-                                          self.plan.kernel)
+        if self.plan.kernel:        # one launch for every row, each row's blocks past its size computing nothing
+            asked = None if sizes is None or min(sizes) == width else upload(sizes, self.device)
+            norms = value_norm_kernel.value_norms(values, weights, self.group, asked)
+        elif self.plan.together >= self.rows and (sizes is None or max(sizes) == width):   # one product, no copy
+            norms = projected_value_norms(values, weights, self.group, self.plan.tile, self.plan.fused)
         else:
             norms = torch.zeros(self.rows, self.group, width, device=self.device)
             for r in range(0, self.rows, self.plan.together):
@@ -241,7 +244,7 @@ class Stage2:
                 n = width if sizes is None else max(sizes[rows])
                 if n:
                     norms[rows, :, :n] = projected_value_norms(values[rows, :n], weights[rows], self.group,
-                                                               self.plan.tile, self.plan.fused, self.plan.kernel)
+                                                               self.plan.tile, self.plan.fused)
         return self.selection.combine(attention, norms)
 
     def exhaustive(self, work: Stage2Work | None = None) -> torch.Tensor:

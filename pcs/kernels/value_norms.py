@@ -3,7 +3,8 @@
 The batched product that ``projected_value_norms`` otherwise makes writes every entry's (group x hidden) outputs to
 memory and a reduction reads them back: at 8K tokens with Llama-3.1-8B's shapes, half a gigabyte a layer for a
 quarter of the entries. Here each program multiplies a block of value rows by a block of ``W^O_h``'s columns in
-registers and adds the block's absolute values into the rows' sums, so the product never reaches memory.
+registers and adds the block's absolute values into the rows' sums, so the product never reaches memory. A row
+may ask for fewer entries than the others (``sizes``): its programs past them return at once.
 
 An entry's norm depends on its own value vector only: every program sums the same column blocks in the same order,
 and a row's dot products do not depend on the other rows of its block. So an entry gets the same bits whichever
@@ -46,45 +47,59 @@ def _kernel():
     # One compiled kernel whatever the number of entries: Triton would otherwise compile variants for sizes and
     # strides equal to 1 or divisible by 16, and an entry's bits would rest on those variants computing alike.
     @triton.jit(do_not_specialize=["n_entries", "stride_vr", "stride_vn", "stride_or", "stride_og", "stride_on"])
-    def value_norms(values, weights, out, n_entries, group, hidden,
+    def value_norms(values, weights, sizes, out, n_entries, group, hidden,
                     stride_vr, stride_vn, stride_vd, stride_wr, stride_wd, stride_wo, stride_or, stride_og,
                     stride_on, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     IEEE: tl.constexpr):
         row_head = tl.program_id(0)                  # row r's query head g: r * group + g
         r, g = row_head // group, row_head % group
-        entries = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        dims = tl.arange(0, D)
-        inside = entries < n_entries
-        v = tl.load(values + r * stride_vr + entries[:, None] * stride_vn + dims[None, :] * stride_vd,
-                    mask=inside[:, None], other=0.0)
-        sums = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        w_head = weights + r * stride_wr + g * hidden * stride_wo
-        for start in range(0, hidden, BLOCK_N):
-            outputs = start + tl.arange(0, BLOCK_N)
-            w = tl.load(w_head + dims[:, None] * stride_wd + outputs[None, :] * stride_wo,
-                        mask=outputs[None, :] < hidden, other=0.0)
-            if IEEE:
-                y = tl.dot(v, w, input_precision="ieee")
-            else:
-                y = tl.dot(v, w)
-            sums += tl.sum(tl.abs(y), axis=1)
-        tl.store(out + r * stride_or + g * stride_og + entries * stride_on, sums, mask=inside)
+        first = tl.program_id(1) * BLOCK_M
+        n_row = tl.minimum(tl.load(sizes + r), n_entries)     # the entries row r asks for
+        if first < n_row:                            # a block past them computes nothing
+            entries = first + tl.arange(0, BLOCK_M)
+            dims = tl.arange(0, D)
+            inside = entries < n_row
+            v = tl.load(values + r * stride_vr + entries[:, None] * stride_vn + dims[None, :] * stride_vd,
+                        mask=inside[:, None], other=0.0)
+            sums = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            w_head = weights + r * stride_wr + g * hidden * stride_wo
+            for start in range(0, hidden, BLOCK_N):
+                outputs = start + tl.arange(0, BLOCK_N)
+                w = tl.load(w_head + dims[:, None] * stride_wd + outputs[None, :] * stride_wo,
+                            mask=outputs[None, :] < hidden, other=0.0)
+                if IEEE:
+                    y = tl.dot(v, w, input_precision="ieee")
+                else:
+                    y = tl.dot(v, w)
+                sums += tl.sum(tl.abs(y), axis=1)
+            tl.store(out + r * stride_or + g * stride_og + entries * stride_on, sums, mask=inside)
 
     return value_norms
 
 
-def value_norms(values: torch.Tensor, weights: torch.Tensor, group: int) -> torch.Tensor:
+def value_norms(values: torch.Tensor, weights: torch.Tensor, group: int,
+                sizes: torch.Tensor | None = None) -> torch.Tensor:
     """``||v_i W^O_h||_1`` for (r, c, d) value rows of r rows and each row's ``group`` query heads' ``W^O_h`` side by
-    side (``group_weights``: (r, d, group * hidden)) -> (r, group, c) float32, as ``projected_value_norms``."""
+    side (``group_weights``: (r, d, group * hidden)) -> (r, group, c) float32, as ``projected_value_norms``.
+
+    ``sizes`` (r,) on the device: row i asks for its first ``sizes[i]`` entries only, the rest of its outputs are
+    zeros, and the blocks past them cost a launch's share each, not a product: a batch of rows that ask for unequal
+    numbers of entries (AdaKV's heads) pays for what each asks, not for the largest. The same kernel runs either
+    way, ``sizes`` or not, so an entry gets the same bits."""
     import triton
     r, c, d = values.shape
     hidden = weights.shape[-1] // group
     assert weights.shape == (r, d, group * hidden) and weights.dtype == values.dtype, (values.shape, weights.shape)
-    out = torch.empty(r, group, c, dtype=torch.float32, device=values.device)
+    if sizes is None:
+        out = torch.empty(r, group, c, dtype=torch.float32, device=values.device)
+        sizes = torch.full((r,), c, dtype=torch.long, device=values.device)
+    else:           # int64 either way: Triton compiles a kernel per pointer type
+        assert sizes.shape == (r,) and sizes.dtype == torch.long, (sizes.shape, sizes.dtype)
+        out = torch.zeros(r, group, c, dtype=torch.float32, device=values.device)
     if c == 0 or r == 0:
         return out
     grid = (r * group, triton.cdiv(c, BLOCK_ENTRIES))
-    _kernel()[grid](values, weights, out, c, group, hidden,
+    _kernel()[grid](values, weights, sizes, out, c, group, hidden,
                     *values.stride(), *weights.stride(), *out.stride(),
                     D=d, BLOCK_M=BLOCK_ENTRIES, BLOCK_N=BLOCK_OUTPUTS, IEEE=values.dtype == torch.float32)
     return out
