@@ -24,7 +24,8 @@ def test_the_kernel_runs_only_on_cuda_for_power_of_two_head_dimensions(monkeypat
 def test_the_kernel_computes_every_rows_query_heads_norms_in_the_interpreter():
     """Value rows of 2 KV heads with 3 query heads each, strided weights as ``group_weights`` gives them, a number of
     entries and of outputs that fill no block: every (row, head, entry) norm within float32's rounding of the float64
-    norm of the same inputs, in float32 and float16 (the interpreter mishandles bfloat16)."""
+    norm of the same inputs, in float32 and float16 (the interpreter mishandles bfloat16); rows asking for fewer
+    entries than the others get those entries' bits and zeros past them."""
     pytest.importorskip("triton")
     script = textwrap.dedent("""
         import torch
@@ -40,6 +41,11 @@ def test_the_kernel_computes_every_rows_query_heads_norms_in_the_interpreter():
             error = ((got.double() - want).abs() / want).max().item()
             assert error < 1e-5, (dtype, error)
             assert value_norms(values[:, :0], weights, group).shape == (rows, group, 0)
+            # rows asking for part of a block and for more than one: those entries' bits, zeros past them
+            for sizes in ([5, 150], [0, 70], [64, 65]):
+                ragged = value_norms(values, weights, group, torch.tensor(sizes))
+                for r, n in enumerate(sizes):
+                    assert torch.equal(ragged[r, :, :n], got[r, :, :n]) and not ragged[r, :, n:].any(), (sizes, r)
         print("ok")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -179,9 +179,13 @@ def group_weights(o_proj_weight: torch.Tensor, rows: int, d: int) -> torch.Tenso
 # What the products' temporaries may take on an accelerator: a 32K-token prefill of an 8B model allocates more per
 # layer for its MLP alone, and a product covering each row's candidates at once saves a launch per tile.
 ACCELERATOR_PRODUCT_BYTES = 1 << 30
-# Entries per product there, at least: the bounded stage 2's first round then scores a row's whole pool (2k entries,
-# at least k + 256) in one product up to k = 512, and rarely needs another round, each of which costs launches and a
-# wait.
+# Entries per batched product there, at least: the bounded stage 2's first round then scores a row's whole pool (2k
+# entries, at least k + 256) in one product up to k = 512, and rarely needs another round, each of which costs
+# launches and a wait. The norms kernel has no tile to fill: its plan's tile is its block of entries, so the first
+# round scores k + max(k / 8, 32) rounded up to 64, not the pool. Replayed with an accelerator's plan on this CPU,
+# that cut the exact norms from 8.1 % to 3.2 % of the entries on the embedded model's layers at budget 128 (SnapKV, a
+# random 4K prompt), 30.8 % to 22.6 % for AdaKV at 1,024, and 4.0 % to 2.7 % on two layers of Llama-3.1-8B's shapes
+# (random weights, 8K) at 128, with the same device reads; at 1,024 and under criticalkv's knobs no change there.
 ACCELERATOR_TILE = 1024
 # Whether CUDA's exact norms go through one kernel that never writes the product (``pcs.kernels.value_norms``)
 # instead of the batched products (the bench's --no-value-norm-kernel). On an H200 (2026-11-26, fifth session) its
@@ -210,7 +214,8 @@ def batches_rows(device: torch.device) -> bool:
 @dataclass(frozen=True)
 class NormPlan:
     """How ``projected_value_norms`` goes through a layer: ``together`` rows per batched product, ``tile``
-    entries per product, and ``temporaries``, the bytes the layer's other products in chunks (the bounds' quadratic
+    entries per product (under the norms kernel, its block: what the bounded stage 2 rounds its first candidates
+    to), and ``temporaries``, the bytes the layer's other products in chunks (the bounds' quadratic
     forms) may take, the same budget as the norms': one chunk for a bounded stage 2's entries on an accelerator,
     where each chunk costs launches. ``accelerator``: the plan is for a device where a launch costs more than the
     multiply-adds it saves (``batches_rows``)."""
@@ -242,7 +247,8 @@ def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.d
               device: torch.device) -> NormPlan:
     """The plan for a layer of ``n`` entries, its values held as ``rows`` rows of (n, d): one row at a time on a
     CPU, every row at once on an accelerator (``batches_rows``); about n / 32 entries per product (a power of
-    two, at least 32; at least ``ACCELERATOR_TILE`` on an accelerator), at most what keeps the (together, tile,
+    two, at least 32; at least ``ACCELERATOR_TILE`` on an accelerator; the norms kernel's block of entries where it
+    runs), at most what keeps the (together, tile,
     group * hidden) product and a float32 copy (which only a CPU's sum makes) within half of the layer's values'
     bytes (on a CPU, so the
     temporaries stay within one layer's keys and values) or within ``ACCELERATOR_PRODUCT_BYTES`` (on an
@@ -254,9 +260,11 @@ def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.d
     together, tile = 1, max(32, 1 << max(0, n // 32 - 1).bit_length())
     if batches_rows(device):
         together, budget, tile = rows, max(budget, ACCELERATOR_PRODUCT_BYTES), max(tile, ACCELERATOR_TILE)
+    kernel = VALUE_NORM_KERNEL and value_norm_kernel.available(device, d)
+    if kernel:
+        tile = value_norm_kernel.BLOCK_ENTRIES
     return NormPlan(together, min(tile, rows_per_chunk(budget, together * group * hidden, dtype)), budget,
-                    batches_rows(device), VALUE_NORM_KERNEL and value_norm_kernel.available(device, d),
-                    batches_rows(device) and EXHAUSTIVE_ON_ACCELERATORS)
+                    batches_rows(device), kernel, batches_rows(device) and EXHAUSTIVE_ON_ACCELERATORS)
 
 
 def projected_value_norms(values: torch.Tensor, weights: torch.Tensor, group: int, tile: int,
