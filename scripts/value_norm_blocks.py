@@ -40,15 +40,12 @@ def timed(run, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
-def launch(values, weights, block_m: int, block_n: int, warps: int, stages: int) -> torch.Tensor:
-    """The kernel under one configuration, launched as ``kernel.value_norms`` launches it."""
-    import triton
-    r, c, d = values.shape
+def run_kernel(values, weights, block_m: int, block_n: int, warps: int, stages: int) -> torch.Tensor:
+    """The kernel under one configuration, every entry of every row."""
+    r, c, _ = values.shape
     out = torch.empty(r, GROUP, c, dtype=torch.float32, device=values.device)
     sizes = torch.full((r,), c, dtype=torch.long, device=values.device)
-    kernel._kernel()[(r * GROUP, triton.cdiv(c, block_m))](
-        values, weights, sizes, out, c, GROUP, HIDDEN, *values.stride(), *weights.stride(), *out.stride(),
-        D=d, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=False, num_warps=warps, num_stages=stages)
+    kernel.launch(values, weights, GROUP, sizes, out, block_m, block_n, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -81,7 +78,7 @@ def main() -> None:
             config = {"path": "kernel", "block_m": block_m, "block_n": block_n, "warps": warps, "stages": stages,
                       "current": (block_m, block_n, warps, stages) == (kernel.BLOCK_ENTRIES, kernel.BLOCK_OUTPUTS, 4, 3)}
             try:
-                row(config, lambda: launch(values, weights, block_m, block_n, warps, stages))
+                row(config, lambda: run_kernel(values, weights, block_m, block_n, warps, stages))
             except Exception as err:          # a configuration out of the card's shared memory or registers
                 print(json.dumps({**config, "entries": entries, "error": repr(err)[:200]}), flush=True)
     with open(out, "w") as f:

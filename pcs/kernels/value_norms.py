@@ -86,7 +86,6 @@ def value_norms(values: torch.Tensor, weights: torch.Tensor, group: int,
     zeros, and the blocks past them cost a launch's share each, not a product: a batch of rows that ask for unequal
     numbers of entries (AdaKV's heads) pays for what each asks, not for the largest. The same kernel runs either
     way, ``sizes`` or not, so an entry gets the same bits."""
-    import triton
     r, c, d = values.shape
     hidden = weights.shape[-1] // group
     assert weights.shape == (r, d, group * hidden) and weights.dtype == values.dtype, (values.shape, weights.shape)
@@ -96,10 +95,19 @@ def value_norms(values: torch.Tensor, weights: torch.Tensor, group: int,
     else:           # int64 either way: Triton compiles a kernel per pointer type
         assert sizes.shape == (r,) and sizes.dtype == torch.long, (sizes.shape, sizes.dtype)
         out = torch.zeros(r, group, c, dtype=torch.float32, device=values.device)
-    if c == 0 or r == 0:
-        return out
-    grid = (r * group, triton.cdiv(c, BLOCK_ENTRIES))
-    _kernel()[grid](values, weights, sizes, out, c, group, hidden,
-                    *values.stride(), *weights.stride(), *out.stride(),
-                    D=d, BLOCK_M=BLOCK_ENTRIES, BLOCK_N=BLOCK_OUTPUTS, IEEE=values.dtype == torch.float32)
+    if c and r:
+        launch(values, weights, group, sizes, out)
     return out
+
+
+def launch(values: torch.Tensor, weights: torch.Tensor, group: int, sizes: torch.Tensor, out: torch.Tensor,
+           block_entries: int = BLOCK_ENTRIES, block_outputs: int = BLOCK_OUTPUTS, **options) -> None:
+    """The kernel over ``value_norms``' arguments into ``out``, in blocks of ``block_entries`` x ``block_outputs``
+    (``options``: Triton's launch options, e.g. ``num_warps``). Other blocks than the module's are for timing them
+    (``scripts/value_norm_blocks.py``): an entry's bits may depend on the block."""
+    import triton
+    r, c, d = values.shape
+    _kernel()[(r * group, triton.cdiv(c, block_entries))](
+        values, weights, sizes, out, c, group, weights.shape[-1] // group,
+        *values.stride(), *weights.stride(), *out.stride(),
+        D=d, BLOCK_M=block_entries, BLOCK_N=block_outputs, IEEE=values.dtype == torch.float32, **options)
