@@ -403,17 +403,17 @@ def run(args) -> list[dict]:
 def engine_switches(args):
     """The engine's switches that the bench's flags set (--layers-behind, --value-norm-kernel, --stage2-search), for
     one run: restored after it."""
-    saved = compression.LAYERS_BEHIND_ON_CUDA, scores.VALUE_NORM_KERNEL, scores.EXHAUSTIVE_ON_ACCELERATORS
+    saved = compression.LAYERS_BEHIND_ON_CUDA, scores.VALUE_NORM_KERNEL, scores.STAGE2_SEARCH
     if args.layers_behind is not None:
         compression.LAYERS_BEHIND_ON_CUDA = args.layers_behind
     if args.value_norm_kernel is not None:
         scores.VALUE_NORM_KERNEL = args.value_norm_kernel
     if args.stage2_search is not None:
-        scores.EXHAUSTIVE_ON_ACCELERATORS = args.stage2_search == "exhaustive"
+        scores.STAGE2_SEARCH = args.stage2_search
     try:
         yield
     finally:
-        compression.LAYERS_BEHIND_ON_CUDA, scores.VALUE_NORM_KERNEL, scores.EXHAUSTIVE_ON_ACCELERATORS = saved
+        compression.LAYERS_BEHIND_ON_CUDA, scores.VALUE_NORM_KERNEL, scores.STAGE2_SEARCH = saved
 
 
 def measure(args) -> list[dict]:
@@ -422,8 +422,6 @@ def measure(args) -> list[dict]:
     behind = compression.layers_behind(torch.device(device))
     model = build_model(args.model, args.layers, device, args.model_path)
     kernel = scores.VALUE_NORM_KERNEL and value_norm_kernel.available(torch.device(device), head_dim(model.config))
-    search = "exhaustive" if scores.EXHAUSTIVE_ON_ACCELERATORS and scores.batches_rows(torch.device(device)) \
-        else "bounded"
     weights = weight_bytes(model)
     built = build_configurations(args)
     rows = []
@@ -455,7 +453,8 @@ def measure(args) -> list[dict]:
                    "layers": model.config.num_hidden_layers, "method": config.method, "selection": config.selection,
                    "budget": config.budget, "preset": config.preset, "context": context, "repeats": args.repeats,
                    "compression_layers_behind": behind, "value_norm_kernel": kernel,
-                   "stage2_search": search, **result,
+                   "stage2_search": "exhaustive" if scores.scores_every_entry(context, torch.device(device))
+                   else "bounded", **result,
                    "decode_bound": (weights + result["kv_bytes_full"]) / (weights + result["kv_bytes"]),
                    "decode_speedup": base["decode_ms_per_token"] / result["decode_ms_per_token"]}
             rows.append(row)
@@ -711,10 +710,11 @@ def parse(argv=None):
                         "exact norms from pcs.kernels.value_norms's one kernel, or (--no-value-norm-kernel) from "
                         "batched products (default: pcs.eviction.scores.VALUE_NORM_KERNEL, on); rows say which in "
                         "value_norm_kernel, and the report pairs only rows alike")
-    parser.add_argument("--stage2-search", choices=["bounded", "exhaustive"], help="on an accelerator, stage 2 "
-                        "bounds its norms and scores the entries the bounds leave (bounded) or scores every entry "
-                        "(exhaustive; the same entries are kept). Default: "
-                        "pcs.eviction.scores.EXHAUSTIVE_ON_ACCELERATORS, bounded; rows say which in stage2_search")
+    parser.add_argument("--stage2-search", choices=["auto", "bounded", "exhaustive"], help="on an accelerator, "
+                        "stage 2 bounds its norms and scores the entries the bounds leave (bounded), scores every "
+                        "entry (exhaustive; the same entries are kept), or (auto) scores every entry below "
+                        "pcs.eviction.scores.EXHAUSTIVE_BELOW_ENTRIES tokens and bounds from there. Default: "
+                        "pcs.eviction.scores.STAGE2_SEARCH, auto; rows say which search they made in stage2_search")
     parser.add_argument("--project", metavar="OVERRIDE", nargs="+", help="print the GPU-hours a sweep would take "
                         "(e.g. experiment=table1), from --bench's measured costs; measures nothing")
     parser.add_argument("--bench", metavar="JSONL", help="--project: the bench results to project from")

@@ -38,8 +38,9 @@
 # -k bounded_stage2, whose 6 cells run with and without it):
 #   TESTS=0 APPEND=1 CONTEXTS=8192 METHODS=snapkv POOLS= REPEATS=2 DECODE_TOKENS=2 KERNEL=0 bash scripts/gpu_check.sh
 #   (then without KERNEL=0)
-# Stage 2's search, bounded (the default) against every entry scored, at 8K, where the host seems to set the pace (after the
-# tests; REPEATS=3 keeps a median off one outlier round):
+# Stage 2's search, bounded against every entry scored (the default, auto, scores every entry below 16K entries a
+# layer; on an H200, 2026-11-26, 8K with METHODS="snapkv adakv" and criticalkv, REPEATS=3, took about 200 s a search,
+# 32K with METHODS=snapkv and criticalkv, REPEATS=2, about 120 s):
 #   python3 -m pytest -q -m gpu tests/test_gpu.py -k "scoring_every or bounded_stage2 or syncs_a_constant"
 #   TESTS=0 CONTEXTS=8192 METHODS=snapkv POOLS= REPEATS=3 DECODE_TOKENS=2 SEARCH=bounded bash scripts/gpu_check.sh
 #   (then APPEND=1 ... SEARCH=exhaustive), and both at 32K: APPEND=1 CONTEXTS=32768 METHODS=snapkv ANALYSIS=0 ...
@@ -53,7 +54,7 @@
 # stream of its own; 0: right after its forward, on the forward's stream: the A/B of the overlap; rows say which in
 # compression_layers_behind, and the report pairs only rows compressed alike), KERNEL=0 (stage 2's exact norms from
 # batched products instead of pcs.kernels.value_norms's one kernel, the default: the A/B of VALUE_NORM_KERNEL),
-# SEARCH (bounded or exhaustive: how stage 2 searches on the GPU, --stage2-search), PROFILE=1 (also one profiled prefill per
+# SEARCH (auto, bounded or exhaustive: how stage 2 searches on the GPU, --stage2-search; auto by default), PROFILE=1 (also one profiled prefill per
 # row into $DEST/profile/: the op tables and, per compressed layer, the kernels and device time of the operators
 # inside the compression).
 #

@@ -207,10 +207,13 @@ STAGE2_CELLS = [("method=snapkv", "selection=perturbation"), ("method=pyramidkv"
 
 
 @pytest.mark.parametrize("cell", STAGE2_CELLS)
-def test_cuda_layer_compression_syncs_a_constant_number_of_times(cell):
+def test_cuda_layer_compression_syncs_a_constant_number_of_times(cell, monkeypatch):
     """CUDA's own count of host synchronisations (set_sync_debug_mode warns at each) in one layer's compression is at
-    most test_selection.MOST_HOST_READS at 4K and at 32K tokens (the budgets, stage 2's rounds)."""
+    most test_selection.MOST_HOST_READS at 4K and at 32K tokens (the budgets, stage 2's rounds), with the bounded
+    search at both (the search that reads the device)."""
+    import pcs.eviction.scores
     from test_selection import MOST_HOST_READS
+    monkeypatch.setattr(pcs.eviction.scores, "STAGE2_SEARCH", "bounded")
     chosen = build_method(compose_cfg(*cell, "budget=1024"))
     counts = [cuda_syncs(chosen, cuda_layer(n)) for n in (4096, 32768)]
     assert 1 <= min(counts) and max(counts) <= MOST_HOST_READS, counts
@@ -233,13 +236,13 @@ def cuda_syncs(method, layer) -> int:
 
 @pytest.mark.parametrize("cell", STAGE2_CELLS)
 def test_cuda_scoring_every_entry_keeps_the_same_entries_with_fewer_syncs(cell, monkeypatch):
-    """EXHAUSTIVE_ON_ACCELERATORS (the bench's --stage2-search exhaustive) on the GPU: the entries the bounded search
+    """STAGE2_SEARCH=exhaustive (the bench's --stage2-search exhaustive) on the GPU: the entries the bounded search
     keeps, with fewer host synchronisations (stage 2 reads nothing)."""
     import pcs.eviction.scores
     layer = cuda_layer(4096)
     runs = {}
     for every in (False, True):
-        monkeypatch.setattr(pcs.eviction.scores, "EXHAUSTIVE_ON_ACCELERATORS", every)
+        monkeypatch.setattr(pcs.eviction.scores, "STAGE2_SEARCH", "exhaustive" if every else "bounded")
         method = build_method(compose_cfg(*cell, "budget=1024"))
         runs[every] = [k.tolist() for k in method.keep(layer)], cuda_syncs(method, layer)
     assert runs[True][0] == runs[False][0]
@@ -254,6 +257,7 @@ def test_cuda_bounded_stage2_keeps_what_exhaustive_stage2_keeps(cell, kernel, mo
     import functools
     import pcs.eviction.scores
     monkeypatch.setattr(pcs.eviction.scores, "VALUE_NORM_KERNEL", kernel)
+    monkeypatch.setattr(pcs.eviction.scores, "STAGE2_SEARCH", "bounded")   # short layers would score every entry
     chosen = build_method(compose_cfg(*cell, "budget=512"))
     for seed, n in ((0, 4096), (1, 9000)):
         layer = cuda_layer(n, seed)

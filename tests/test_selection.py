@@ -382,6 +382,7 @@ def rows_together(request, monkeypatch):
     import pcs.eviction.scores as scores_module
     if request.param != "one row":
         monkeypatch.setattr(scores_module, "batches_rows", lambda device: True)
+        monkeypatch.setattr(scores_module, "STAGE2_SEARCH", "bounded")   # short layers would score every entry
     if request.param == "norms kernel":
         pytest.importorskip("triton")
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -537,6 +538,7 @@ def test_one_layers_compression_dispatches_a_bounded_number_of_operations_on_acc
     from pcs.bench import CompressionOps
     import pcs.eviction.scores as scores_module
     monkeypatch.setattr(scores_module, "batches_rows", lambda device: True)
+    monkeypatch.setattr(scores_module, "STAGE2_SEARCH", "bounded")     # the search with the most operations
 
     def ops(method, n):
         layer = long_layer(4, n=n)
@@ -560,7 +562,7 @@ def test_one_layers_compression_dispatches_a_bounded_number_of_operations_on_acc
 @pytest.mark.parametrize("pad", [None, torch.tensor([0, 137])])
 def test_scoring_every_entry_on_accelerators_keeps_the_bounded_searchs_entries_in_few_operations(profile, gqa, pad,
                                                                                                  monkeypatch):
-    """EXHAUSTIVE_ON_ACCELERATORS (forced here on the CPU with an accelerator's plan): every method keeps what the
+    """STAGE2_SEARCH=exhaustive (forced here on the CPU with an accelerator's plan): every method keeps what the
     bounded search keeps, counts every live entry as scored, never reads the device in stage 2, and dispatches far
     fewer operations than the bounded search."""
     from pcs.bench import CompressionOps
@@ -575,11 +577,32 @@ def test_scoring_every_entry_on_accelerators_keeps_the_bounded_searchs_entries_i
         return [k.tolist() for k in kept], counted.ops
 
     for bounded, every in zip(every_method(profile, gqa), every_method(profile, gqa)):
-        monkeypatch.setattr(scores_module, "EXHAUSTIVE_ON_ACCELERATORS", False)
+        monkeypatch.setattr(scores_module, "STAGE2_SEARCH", "bounded")
         kept, ops = kept_and_ops(bounded)
-        monkeypatch.setattr(scores_module, "EXHAUSTIVE_ON_ACCELERATORS", True)
+        monkeypatch.setattr(scores_module, "STAGE2_SEARCH", "exhaustive")
         reads = every.selection.work.host_reads
         kept_every, ops_every = kept_and_ops(every)
         assert kept_every == kept and ops_every < ops / 2, (ops_every, ops)
         work = every.selection.work
         assert work.host_reads == reads and work.exact == work.entries > 0
+
+
+def test_stage2_search_auto_scores_every_entry_in_short_layers_and_bounds_long_ones(monkeypatch):
+    """STAGE2_SEARCH=auto (the default) with an accelerator's plan, forced on the CPU: layers of fewer than
+    EXHAUSTIVE_BELOW_ENTRIES entries have every entry scored without a read of the device in stage 2, longer ones the
+    bounded search (some entries left unscored, the device read); a CPU's plan bounds whatever the length."""
+    import pcs.eviction.scores as scores_module
+    assert scores_module.STAGE2_SEARCH == "auto"
+    monkeypatch.setattr(scores_module, "EXHAUSTIVE_BELOW_ENTRIES", 2000)     # the rule, on layers a CPU runs quickly
+
+    def work(n, accelerator):
+        monkeypatch.setattr(scores_module, "batches_rows", lambda device: accelerator)
+        method = build_method(compose_cfg("method=snapkv", "selection=perturbation", "budget=128"))
+        method.keep(long_layer(3, n=n))
+        return method.selection.work
+
+    short, long = work(1999, True), work(2000, True)
+    assert short.exact == short.entries > 0 and short.host_reads == 0
+    assert 0 < long.exact < long.entries and long.host_reads >= 1
+    on_cpu = work(1999, False)
+    assert 0 < on_cpu.exact < on_cpu.entries and on_cpu.host_reads >= 1

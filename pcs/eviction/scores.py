@@ -196,19 +196,40 @@ ACCELERATOR_TILE = 1024
 VALUE_NORM_KERNEL = True
 
 
-# Whether stage 2 on an accelerator scores every entry (one pass of the norms kernel, no bound, no read of the
-# device) instead of bounding: kept sets are the same either way. The bounded search costs about a hundred launches
-# and two or three reads a layer, where the host seems to set an 8K prefill's pace; scoring every entry costs the norms of
-# entries the bounds would rule out (75-96 % of them with the paper's knobs, 16-58 % with criticalkv's). Off until
-# a GPU has weighed the two (the bench's --stage2-search).
-EXHAUSTIVE_ON_ACCELERATORS = False
-
-
 def batches_rows(device: torch.device) -> bool:
     """Whether a layer's rows go through one batched product: on an accelerator, where a launch costs more than
     the padding it brings (the bounded stage 2's rows ask for unequal numbers of entries), not on a CPU, where
     the multiply-adds are what costs."""
     return device.type != "cpu"
+
+
+# How stage 2 searches on an accelerator (the bench's --stage2-search): "bounded" bounds the norms and scores the
+# entries the bounds leave (about a hundred launches and two to four waits for the device a layer); "exhaustive"
+# scores every entry in one pass of the norms (no bound, no wait, the norms of entries a bound would have
+# ruled out); "auto" scores every entry in layers of fewer than EXHAUSTIVE_BELOW_ENTRIES entries and bounds from
+# there. Kept sets are the same bits either way. On an H200 (2026-11-26, seventh session; Llama-3.1-8B's shapes,
+# random weights, prefill plus compression over attention selection's, 2 layers behind, results/bench/README.md):
+#   8K:  bounded 1.119-1.537, exhaustive 1.072-1.122 (SnapKV and AdaKV, each also under criticalkv's knobs, b128
+#        and b1024; exhaustive lower in each of the 7 pairs measured both ways): a layer's forward there is too
+#        short to hide the bounded search's waits;
+#   32K: paper's knobs, bounded 1.007 / 1.008 against exhaustive 1.060 / 1.059 (SnapKV b128 / b1024): the forward
+#        hides the waits, while every entry's norms (n hidden^2 multiply-adds, about 5 % of the forward's FLOPs)
+#        compete with it for the device; criticalkv's knobs, bounded 1.083 / 1.090 against exhaustive 1.058 / 1.061
+#        (its bounds leave 66-89 % of the entries to score).
+# 16K lies between the two measured contexts, unmeasured; the threshold puts it with 32K.
+STAGE2_SEARCH = "auto"
+EXHAUSTIVE_BELOW_ENTRIES = 16384
+
+
+def scores_every_entry(n: int, device: torch.device) -> bool:
+    """Whether stage 2 scores every one of a layer's ``n`` entries (``STAGE2_SEARCH``): only ever on an
+    accelerator, where the bounded search's launches and waits for the device cost more than the norms it spares
+    in short layers; on a CPU the multiply-adds are what costs, and the bounds spare most of them."""
+    if not batches_rows(device):
+        return False
+    if STAGE2_SEARCH == "auto":
+        return n < EXHAUSTIVE_BELOW_ENTRIES
+    return STAGE2_SEARCH == "exhaustive"
 
 
 @dataclass(frozen=True)
@@ -224,7 +245,7 @@ class NormPlan:
     temporaries: int
     accelerator: bool = False
     kernel: bool = False     # the norms from ``pcs.kernels.value_norms`` (VALUE_NORM_KERNEL, where it runs)
-    exhaustive: bool = False  # stage 2 scores every entry (EXHAUSTIVE_ON_ACCELERATORS, on an accelerator)
+    exhaustive: bool = False  # stage 2 scores every entry (``scores_every_entry``)
 
     @property
     def certifies(self) -> bool:
@@ -264,7 +285,7 @@ def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.d
     if kernel:
         tile = value_norm_kernel.BLOCK_ENTRIES
     return NormPlan(together, min(tile, rows_per_chunk(budget, together * group * hidden, dtype)), budget,
-                    batches_rows(device), kernel, batches_rows(device) and EXHAUSTIVE_ON_ACCELERATORS)
+                    batches_rows(device), kernel, scores_every_entry(n, device))
 
 
 def projected_value_norms(values: torch.Tensor, weights: torch.Tensor, group: int, tile: int,

@@ -128,7 +128,7 @@ class PerturbationSelection:
         # Norms shared by the runs of a prefill are computed for every entry anyway: no bound can save work.
         if exhaustive or stage2.shared_norms is not None:
             scores = stage2.exhaustive()
-        elif stage2.plan.exhaustive:        # the search this run makes (EXHAUSTIVE_ON_ACCELERATORS): counted
+        elif stage2.plan.exhaustive:        # the search this run makes (scores_every_entry): counted
             scores = stage2.exhaustive(self.work)
         else:
             scores = stage2.bounded(self.work)
