@@ -427,6 +427,7 @@ def measure(args) -> list[dict]:
     rows = []
     for context in args.contexts:
         ids = random_prompt(model, context)
+        search = "exhaustive" if scores.scores_every_entry(context, torch.device(device)) else "bounded"
         for _, method in built:
             greedy_generate(model, ids, method, 2, set())
         samples = [[] for _ in built]
@@ -453,8 +454,7 @@ def measure(args) -> list[dict]:
                    "layers": model.config.num_hidden_layers, "method": config.method, "selection": config.selection,
                    "budget": config.budget, "preset": config.preset, "context": context, "repeats": args.repeats,
                    "compression_layers_behind": behind, "value_norm_kernel": kernel,
-                   "stage2_search": "exhaustive" if scores.scores_every_entry(context, torch.device(device))
-                   else "bounded", **result,
+                   "stage2_search": search, **result,
                    "decode_bound": (weights + result["kv_bytes_full"]) / (weights + result["kv_bytes"]),
                    "decode_speedup": base["decode_ms_per_token"] / result["decode_ms_per_token"]}
             rows.append(row)
