@@ -235,3 +235,22 @@ def test_a_pair_whose_rounds_disagree_is_void_and_left_out_of_the_verdict():
     for r in rounds:
         r.update(compression_layers_behind=0, compress_s=0.01)
     assert [o.void for o in selection_overheads(rounds)] == [False]
+
+
+def test_decode_targets_read_only_rows_that_decoded_enough_tokens():
+    """A row that decoded fewer than LEAST_DECODED_TOKENS tokens (issue 28's prefill runs decode 2) is left out of
+    the decode targets, and the report says how many were; rows without the count (older files) are read."""
+    from pcs.bench import LEAST_DECODED_TOKENS, targets
+
+    def row(speedup, **extra):
+        return {"context": 32768, "method": "snapkv", "selection": "attention", "budget": 128, "preset": None,
+                "device": "cuda", "prefill_s": 1.0, "decode_speedup": speedup, "decode_bound": 1.27, **extra}
+    slow = [row(0.7, decode_tokens=2), row(1.3, decode_tokens=LEAST_DECODED_TOKENS)]
+    lines = targets(slow)
+    assert "decode targets: 1 rows not read, which decoded fewer than 8 tokens" in lines
+    assert "compressed caches decoding no faster than the full cache from 8K up: 0 [target 0: met]" in lines
+    assert sum(x.startswith("decode at 32768") for x in lines) == 1
+    lines = targets([row(0.7)])
+    assert not any(x.startswith("decode targets") for x in lines)
+    assert any(x.startswith("compressed caches decoding no faster") and "missed" in x for x in lines)
+    assert not any(x.startswith("compressed caches") for x in targets([row(0.7, decode_tokens=2)]))
