@@ -40,7 +40,7 @@ def recording(bounded):
     def wrapper(self, work):
         exact = self.exhaustive()
         every = torch.arange(self.m).expand(self.rows, self.m)
-        gram, norms = self.gram_bounds(every, lower=True)
+        gram, norms = self.gram_bounds(every, [self.m] * self.rows, lower=True)
         gram = gram.masked_fill(self.excluded, -float("inf"))
         lowers = self.lower_bounds(every, norms)
         spectral = self.spectral_bounds()

@@ -223,9 +223,15 @@ def test_the_bounds_hold_every_computed_score(dtype, gqa):
     spectral = stage2.spectral_bounds()
     assert (spectral >= exact).all()
     every = torch.arange(m).expand(n_kv, m)
-    gram, norms = stage2.gram_bounds(every, lower=True)
+    gram, norms = stage2.gram_bounds(every, [m] * n_kv, lower=True)
     lower = stage2.lower_bounds(every, norms)
     assert (gram >= exact).all() and (lower <= exact).all()
+    # Rows asking for unequal numbers of entries (a CPU computes only those): the same bounds where asked.
+    sizes = [m, m // 3]
+    ragged, ragged_norms = stage2.gram_bounds(every, sizes, lower=True)
+    for r, size in enumerate(sizes):
+        torch.testing.assert_close(ragged[r, :size], gram[r, :size])
+        torch.testing.assert_close(ragged_norms[r, :, :size], norms[r, :, :size])
     assert (gram <= spectral * 1.01).all()    # the d^2 bound is the tighter, up to the eigenvalue bound's rounding
     # The lower bound is not vacuous: ||y||_1 >= ||y||_2 leaves a sqrt(hidden) gap, plus the rounding room, which
     # only the tiny entries and the rank-one head's near-null directions (KV head 0's group) feel.
@@ -243,7 +249,7 @@ def test_the_sign_lower_bound_comes_close_to_the_norm_when_values_share_a_direct
     stage2 = Stage2(PerturbationSelection(), ws, torch.zeros(n_kv, m, dtype=torch.bool), [100])
     exact = stage2.exhaustive()[0]
     every = torch.arange(m)[None]
-    lower = stage2.lower_bounds(every, stage2.gram_bounds(every, lower=True)[1])[0]
+    lower = stage2.lower_bounds(every, stage2.gram_bounds(every, [m], lower=True)[1])[0]
     assert (lower <= exact).all()
     assert (lower / exact).median() > 0.9 and (lower / exact).min() > 1 / math.sqrt(hidden)
 

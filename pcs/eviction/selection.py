@@ -306,16 +306,27 @@ class Stage2:
             self._signs = u, 2 * room
         return self._signs
 
-    def gram_bounds(self, idx: torch.Tensor, lower: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Entries ``idx`` (rows, c): (rows, c) upper bounds of their scores, and with ``lower`` (rows, group, c)
-        lower bounds of their norms, from ``||y||_2`` with ``||y||_2^2 = v G_h v`` (d^2 multiply-adds per entry
-        and query head): ``sqrt(hidden) ||y||_2`` above, within ~25 % of ``||y||_1`` when y's entries are of
-        similar size, and ``||y||_2`` below. Room is left for float32's rounding of each and of the exact
-        scores."""
+    def gram_bounds(self, idx: torch.Tensor, sizes: list[int],
+                    lower: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Entries ``idx`` (rows, c), the first ``sizes[r]`` of row r asked for: (rows, c) upper bounds of their
+        scores, and with ``lower`` (rows, group, c) lower bounds of their norms, from ``||y||_2`` with
+        ``||y||_2^2 = v G_h v`` (d^2 multiply-adds per entry and query head): ``sqrt(hidden) ||y||_2`` above,
+        within ~25 % of ``||y||_1`` when y's entries are of similar size, and ``||y||_2`` below. Room is left for
+        float32's rounding of each and of the exact scores. Bounds of entries not asked for mean nothing: on a
+        CPU they are not computed (rows ask for unequal numbers, AdaKV's most), on an accelerator each row pads to
+        the largest, as the exact products do."""
         projection = output_projection(self.ws.o_proj_weight, self.d)
         rounding = 2 * self.d * torch.finfo(torch.float32).eps * projection.gram_norms.view(self.rows, self.group)
         values = self.values_at(idx).float()                                              # (rows, c, d)
-        quadratic = quadratic_forms(values, projection.grams_side_by_side(self.rows), self.plan.temporaries)
+        side_by_side = projection.grams_side_by_side(self.rows)
+        if self.plan.accelerator:
+            quadratic = quadratic_forms(values, side_by_side, self.plan.temporaries)
+        else:
+            quadratic = values.new_zeros(self.rows, self.group, values.shape[1])
+            for r, size in enumerate(sizes):
+                if size:
+                    quadratic[r:r + 1, :, :size] = quadratic_forms(values[r:r + 1, :size], side_by_side[r:r + 1],
+                                                                   self.plan.temporaries)
         room = rounding[..., None] * values.square().sum(-1)[:, None, :]
         upper = ((quadratic + room).clamp_min(0) * self.hidden).sqrt()
         attention = self.at(self.attention, idx)
@@ -367,7 +378,7 @@ class Stage2:
         spectral = self.spectral_bounds()                                                 # (rows, m)
         bound, pool = spectral.topk(max(pools), dim=-1)                                   # (rows, P)
         in_pool = self.below(pools, pool.shape[1]) & (bound > inf)
-        upper, norms = self.gram_bounds(pool, lower=self.plan.certifies)
+        upper, norms = self.gram_bounds(pool, pools, lower=self.plan.certifies)
         bound = torch.where(in_pool, torch.minimum(bound, upper), bound)
         work.gram += sum(pools)
         if self.plan.certifies:
@@ -405,7 +416,7 @@ class Stage2:
             self.score(self.marked(to_score, n_score), self.below(n_score, max(n_score)), n_score, scores, work)
         if max(n_bound):
             idx = self.marked(to_bound, n_bound)
-            reach = self.below(n_bound, idx.shape[1]) & (self.gram_bounds(idx)[0] >= cut)
+            reach = self.below(n_bound, idx.shape[1]) & (self.gram_bounds(idx, n_bound)[0] >= cut)
             work.gram += sum(n_bound)
             # Round 3.
             n_reach = self.read(work, reach.sum(-1))[0]
