@@ -210,7 +210,7 @@ def batches_rows(device: torch.device) -> bool:
 # there. Kept sets are the same bits either way. On an H200 (2026-11-26, seventh session; Llama-3.1-8B's shapes,
 # random weights, prefill plus compression over attention selection's, 2 layers behind, results/bench/README.md):
 #   8K:  bounded 1.119-1.537, exhaustive 1.072-1.122 (SnapKV and AdaKV, each also under criticalkv's knobs, b128
-#        and b1024; exhaustive lower in each of the 7 pairs measured both ways): a layer's forward there is too
+#        and b1024; exhaustive lower in each of the 7 pairs measured both ways): a layer's forward there seems too
 #        short to hide the bounded search's waits;
 #   32K: paper's knobs, bounded 1.007 / 1.008 against exhaustive 1.060 / 1.059 (SnapKV b128 / b1024): the forward
 #        hides the waits, while every entry's norms (n hidden^2 multiply-adds, about 5 % of the forward's FLOPs)
