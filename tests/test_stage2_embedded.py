@@ -1,22 +1,22 @@
-"""The bounded stage 2 on a real model's layers: the embedded SmolLM2 on prompts made of repeats, whose value
-vectors repeat exactly (a token's value does not depend on its position in the first layer) and whose pooled
-attention has plateaus, so that stage-2 scores tie at the cut. tests/test_selection.py holds the bounded search
-to the exhaustive one on random layers; these are the ties a random layer never has."""
+"""The bounded stage 2 on a real model's layers: the embedded SmolLM2 on prompts made of repeats, on which some
+heads' stage-2 scores tie at the cut. tests/test_selection.py holds the bounded search to the exhaustive one on
+random layers, whose scores never tie."""
 
 import pytest
 import torch
 
 from pcs.eviction import build_method
-from pcs.eviction.selection import PerturbationSelection
+from pcs.eviction.selection import PerturbationSelection, Stage2
 from pcs.generate import greedy_generate
 from pcs.models import load_model
+from pcs.upload import upload
 from conftest import compose_cfg
 
 pytestmark = pytest.mark.slow
 
 # (overrides, budget, whether stage-2 scores tie at the cut in some head): each profile's tie rule, both selections'
-# knobs, the three allocations. Max pooling spreads one maximum over its neighbours, so the released knobs' pooled
-# stage-2 attention ties where a layer's values repeat; kvpress's average pooling (criticalkv's) leaves no plateau.
+# knobs, the three allocations. Where the ties fall was observed, not derived: in one to four of a cell's 90 layer
+# selections (layers 4 to 28 of the one-token prompt), none under criticalkv's knobs (average pooling).
 CELLS = [
     (("method=snapkv", "selection=perturbation_released", "profile=paper"), 64, True),
     (("method=snapkv", "selection=perturbation_released", "profile=kvpress"), 96, True),
@@ -60,14 +60,12 @@ def test_bounded_stage2_keeps_what_exhaustive_scoring_keeps_on_repeats(smollm2, 
         with torch.inference_mode():
             greedy_generate(model, torch.tensor([ids]), method, 1, set())
     assert layers[0] == 3 * model.config.num_hidden_layers
-    # The prompts did what they are for: some heads' k-th and (k+1)-th best stage-2 scores were equal.
-    assert (tied[0] > 0) == ties, tied[0]
+    if ties:    # the prompts did what they are for: some heads' k-th and (k+1)-th best stage-2 scores were equal
+        assert tied[0] > 0
 
 
 def ties_at_the_cut(selection, budgets, ws) -> int:
     """Heads whose k-th and (k+1)-th best exhaustive stage-2 scores are equal (and finite)."""
-    from pcs.eviction.selection import Stage2
-    from pcs.upload import upload
     budgets = [min(b, ws.stage1.shape[1]) for b in budgets]
     sizes = selection.stage1_sizes(budgets, ws)
     first = ws.conventions.top_mask(ws.stage1, upload(sizes, ws.stage1.device), sizes)
