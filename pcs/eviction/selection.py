@@ -120,11 +120,7 @@ class PerturbationSelection:
         row keeps, as ``AttentionSelection.select``. ``exhaustive`` computes every entry's stage-2 score;
         otherwise only the candidates the bound leaves (the same entries are kept either way)."""
         budgets = [min(b, ws.stage1.shape[1]) for b in budgets]
-        sizes = self.stage1_sizes(budgets, ws)
-        first = ws.conventions.top_mask(ws.stage1, upload(sizes, ws.stage1.device), sizes)
-        counts = [b - size for b, size in zip(budgets, sizes)]
-        excluded = first if ws.valid is None else first | ~ws.valid
-        stage2 = Stage2(self, ws, excluded, counts)
+        first, stage2 = self.stages(budgets, ws)
         # Norms shared by the runs of a prefill are computed for every entry anyway: no bound can save work.
         if exhaustive or stage2.shared_norms is not None:
             scores = stage2.exhaustive()
@@ -132,7 +128,15 @@ class PerturbationSelection:
             scores = stage2.exhaustive(self.work)
         else:
             scores = stage2.bounded(self.work)
-        return positions(first | ws.conventions.top_mask(scores, stage2.k, counts), budgets, tail)
+        return positions(first | ws.conventions.top_mask(scores, stage2.k, stage2.counts), budgets, tail)
+
+    def stages(self, budgets: list[int], ws: WindowScores) -> tuple[torch.Tensor, Stage2]:
+        """Stage 1's picks for prefix ``budgets`` (each at most the prefix), a (rows, m) mask, and stage 2 over the
+        entries they leave, ``budgets[r]`` less row r's picks to choose."""
+        sizes = self.stage1_sizes(budgets, ws)
+        first = ws.conventions.top_mask(ws.stage1, upload(sizes, ws.stage1.device), sizes)
+        excluded = first if ws.valid is None else first | ~ws.valid
+        return first, Stage2(self, ws, excluded, [b - size for b, size in zip(budgets, sizes)])
 
     def stage2_attention(self, ws: WindowScores) -> torch.Tensor:
         return (ws.mean_attention if self.stage2_source == "unpooled" else ws.pooled_attention) + self.epsilon
