@@ -348,12 +348,13 @@ def build_configurations(args) -> list[tuple[Configuration, object]]:
 
 def stage2_work(method) -> dict:
     """What a two-stage selection's stage 2 computed over the bench's runs: the share of its entries whose exact
-    norm it computed (1.0: exhaustive), and the share of heads whose first candidates did not verify."""
+    norm it computed (1.0: exhaustive), the share in layers whose search scored every entry, and the share of heads
+    whose first candidates did not verify."""
     if not method.two_stage:
         return {}
     work = method.selection.work
     return {"stage2_exact_share": work.exact_share, "stage2_gram_share": work.gram_share,
-            "stage2_certified_share": work.certified_share,
+            "stage2_certified_share": work.certified_share, "stage2_every_entry_share": work.every_entry_share,
             "stage2_widened_share": work.widened / max(1, work.heads),
             "stage2_reads_per_layer": work.host_reads / max(1, work.layers)}
 
@@ -427,7 +428,8 @@ def measure(args) -> list[dict]:
     rows = []
     for context in args.contexts:
         ids = random_prompt(model, context)
-        search = "exhaustive" if scores.scores_every_entry(context, torch.device(device)) else "bounded"
+        search = "exhaustive" if scores.scores_every_entry(context, torch.device(device)) else \
+            "auto" if scores.STAGE2_SEARCH == "auto" and scores.batches_rows(torch.device(device)) else "bounded"
         for _, method in built:
             greedy_generate(model, ids, method, 2, set())
         samples = [[] for _ in built]
@@ -455,6 +457,7 @@ def measure(args) -> list[dict]:
                    "budget": config.budget, "preset": config.preset, "context": context, "repeats": args.repeats,
                    "decode_tokens": args.decode_tokens,
                    "compression_layers_behind": behind, "value_norm_kernel": kernel,
+                   **({"value_norm_blocks": value_norm_kernel.configuration()} if kernel else {}),
                    "stage2_search": search, **result,
                    "decode_bound": (weights + result["kv_bytes_full"]) / (weights + result["kv_bytes"]),
                    "decode_speedup": base["decode_ms_per_token"] / result["decode_ms_per_token"]}
@@ -526,11 +529,15 @@ def markdown(rows: list[dict]) -> str:
 
 def compression_label(row: dict) -> str:
     """How a row's prefill compressed: when, with which exact norms (``--value-norm-kernel``) and whether stage 2
-    scored every entry (``--stage2-search``)."""
+    scored every entry (``--stage2-search``; under auto, in which share of the entries)."""
     layers = row.get("compression_layers_behind", 0)
     when = "after each layer" if not layers else f"{layers} layer{'s' if layers > 1 else ''} behind"
+    search = row.get("stage2_search")
+    every = row.get("stage2_every_entry_share", 0.0)
     return when + (", norms kernel" if row.get("value_norm_kernel") else "") \
-        + (", every entry scored" if row.get("stage2_search") == "exhaustive" else "")
+        + (", every entry scored" if search == "exhaustive" else
+           f", bounded, then every entry in {100 * every:.0f} % of the entries (loose bounds)" if search == "auto"
+           and every else ", bounded (auto)" if search == "auto" else "")
 
 
 def selection_table(rows: list[dict]) -> str:
@@ -725,8 +732,10 @@ def parse(argv=None):
     parser.add_argument("--stage2-search", choices=["auto", "bounded", "exhaustive"], help="on an accelerator, "
                         "stage 2 bounds its norms and scores the entries the bounds leave (bounded), scores every "
                         "entry (exhaustive; the same entries are kept), or (auto) scores every entry below "
-                        "pcs.eviction.scores.EXHAUSTIVE_BELOW_ENTRIES tokens and bounds from there. Default: "
-                        "pcs.eviction.scores.STAGE2_SEARCH, auto; rows say which search they made in stage2_search")
+                        "pcs.eviction.scores.EXHAUSTIVE_BELOW_ENTRIES tokens and bounds from there until the bounds "
+                        "leave more than LOOSE_BOUNDS_SHARE of the entries to score. Default: "
+                        "pcs.eviction.scores.STAGE2_SEARCH, auto; rows say which search they made in stage2_search "
+                        "and, under auto, in stage2_every_entry_share")
     parser.add_argument("--project", metavar="OVERRIDE", nargs="+", help="print the GPU-hours a sweep would take "
                         "(e.g. experiment=table1), from --bench's measured costs; measures nothing")
     parser.add_argument("--bench", metavar="JSONL", help="--project: the bench results to project from")

@@ -46,7 +46,7 @@
 #   (then APPEND=1 ... SEARCH=exhaustive), and both at 32K: APPEND=1 CONTEXTS=32768 METHODS=snapkv ANALYSIS=0 ...
 #   Where the threshold (pcs.eviction.scores.EXHAUSTIVE_BELOW_ENTRIES, 16K, unmeasured there) belongs: the same pair
 #   at CONTEXTS=16384.
-# The norms kernel's block shapes (about 1-2 min; writes results/bench/value_norm_blocks_<device>.jsonl or --out):
+# The norms kernel's block shapes (26 s on an H200; writes results/bench/value_norm_blocks_<device>.jsonl or --out):
 #   PYTHONPATH=/tmp/pcs-gpu-site:$PWD python3 scripts/value_norm_blocks.py --out "$OUT/value_norm_blocks.jsonl"
 #   (after a gpu_check.sh run has installed wheels/ there)
 # Knobs: CONTEXTS, METHODS (the full cache is always measured), BUDGETS, PRESETS, POOLS (decode pool sizes; empty:

@@ -1,8 +1,8 @@
 """How fast the norms kernel (``pcs.kernels.value_norms``) runs under other block shapes, on a CUDA machine.
 
-At 8K tokens with Llama-3.1-8B's shapes an H200 gave stage 2's exact norms about 150 TFLOP/s with the kernel's one
-configuration (estimated from the bench's rows, results/bench/README.md), a sixth of the card's bfloat16 peak. This
-times each configuration of a small grid (entries per program, ``W^O_h`` columns per step, warps, pipeline stages) on
+On an H200 (2026-11-26, ninth session, results/bench/value_norm_blocks_NVIDIA_H200.jsonl) the kernel's configuration
+of then (64 x 128, 4 warps, 3 stages) ran at 392 TFLOP/s on 8,192 entries, and 128 x 64 with 8 warps at 552: the
+module's configuration since. This times each configuration of a small grid (entries per program, ``W^O_h`` columns per step, warps, pipeline stages) on
 one layer's shapes: 8 KV heads of 4 query heads, d = 128, hidden 4,096, every entry of an 8K and of a 2K layer
 (the bounded stage 2's typical round), and the batched products' path for reference. Each row: median milliseconds
 of 20 launches after 3, TFLOP/s (2 d hidden multiply-adds per entry and query head), and the largest relative
@@ -75,8 +75,9 @@ def main() -> None:
         row({"path": "batched products", "tile": 1024},
             lambda: projected_value_norms(values, weights, GROUP, 1024, fused=True))
         for block_m, block_n, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4)):
+            current = (kernel.BLOCK_ENTRIES, kernel.BLOCK_OUTPUTS, kernel.NUM_WARPS, kernel.NUM_STAGES)
             config = {"path": "kernel", "block_m": block_m, "block_n": block_n, "warps": warps, "stages": stages,
-                      "current": (block_m, block_n, warps, stages) == (kernel.BLOCK_ENTRIES, kernel.BLOCK_OUTPUTS, 4, 3)}
+                      "current": (block_m, block_n, warps, stages) == current}
             try:
                 row(config, lambda: run_kernel(values, weights, block_m, block_n, warps, stages))
             except Exception as err:          # a configuration out of the card's shared memory or registers

@@ -254,3 +254,21 @@ def test_decode_targets_read_only_rows_that_decoded_enough_tokens():
     assert not any(x.startswith("decode targets") for x in lines)
     assert any(x.startswith("compressed caches decoding no faster") and "missed" in x for x in lines)
     assert not any(x.startswith("compressed caches") for x in targets([row(0.7, decode_tokens=2)]))
+
+
+def test_rows_under_auto_search_pair_with_their_attention_rows_and_say_where_every_entry_was_scored():
+    """Under --stage2-search auto in long layers a perturbation row may bound some layers and score every entry of
+    others (pcs.eviction.scores.LOOSE_BOUNDS_SHARE): it pairs with the attention row of the same search, and the
+    table says which share of its entries lay in layers scored in full."""
+    from pcs.bench import compression_label, selection_overheads
+
+    def row(selection, every=None):
+        r = {"context": 32768, "method": "snapkv", "budget": 128, "preset": "criticalkv", "device": "cuda",
+             "selection": selection, "compression_layers_behind": 2, "value_norm_kernel": True,
+             "stage2_search": "auto", "prefill_s": 1.0}
+        return r | ({} if every is None else {"stage2_every_entry_share": every})
+    attention, loose, tight = row("attention"), row("perturbation", 0.969), row("perturbation", 0.0)
+    assert [o.row for o in selection_overheads([attention, loose, tight])] == [loose, tight]
+    assert compression_label(loose).endswith("bounded, then every entry in 97 % of the entries (loose bounds)")
+    assert compression_label(tight).endswith("norms kernel, bounded (auto)")
+    assert compression_label(attention | {"stage2_search": "exhaustive"}).endswith("every entry scored")

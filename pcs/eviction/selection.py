@@ -20,7 +20,7 @@ from ..kernels import value_norms as value_norm_kernel
 from ..tensor_rows import rows_at
 from ..upload import upload
 from .scores import SharedScores, group_weights, norm_plan, output_projection, positions, \
-    projected_value_norms, quadratic_forms
+    projected_value_norms, quadratic_forms, scores_every_entry
 
 
 @dataclass
@@ -59,6 +59,7 @@ class Stage2Work:
     gram: int = 0             # entries whose d^2 bound was computed (the d bound is computed for every entry)
     heads: int = 0            # KV heads (rows) that chose by stage 2
     widened: int = 0          # of them, heads whose first candidates left entries to score (a second round)
+    every_entry: int = 0      # of ``entries``, those of layers whose search scored every entry (``exact`` too)
     host_reads: int = 0       # times stage 2 waited for the device
     layers: int = 0           # layers it selected in
 
@@ -69,6 +70,16 @@ class Stage2Work:
     @property
     def exact_share(self) -> float:
         return self.exact / self.entries if self.entries else 0.0
+
+    @property
+    def bounded_share(self) -> float:
+        """The share of the bounded layers' entries whose exact norm was computed: how loose the bounds are."""
+        entries = self.entries - self.every_entry
+        return (self.exact - self.every_entry) / entries if entries else 0.0
+
+    @property
+    def every_entry_share(self) -> float:
+        return self.every_entry / self.entries if self.entries else 0.0
 
     @property
     def gram_share(self) -> float:
@@ -122,12 +133,7 @@ class PerturbationSelection:
         budgets = [min(b, ws.stage1.shape[1]) for b in budgets]
         first, stage2 = self.stages(budgets, ws)
         # Norms shared by the runs of a prefill are computed for every entry anyway: no bound can save work.
-        if exhaustive or stage2.shared_norms is not None:
-            scores = stage2.exhaustive()
-        elif stage2.plan.exhaustive:        # the search this run makes (scores_every_entry): counted
-            scores = stage2.exhaustive(self.work)
-        else:
-            scores = stage2.bounded(self.work)
+        scores = stage2.exhaustive() if exhaustive or stage2.shared_norms is not None else stage2.search(self.work)
         return positions(first | ws.conventions.top_mask(scores, stage2.k, stage2.counts), budgets, tail)
 
     def stages(self, budgets: list[int], ws: WindowScores) -> tuple[torch.Tensor, Stage2]:
@@ -251,6 +257,14 @@ class Stage2:
                                                                self.plan.tile, self.plan.fused)
         return self.selection.combine(attention, norms)
 
+    def search(self, work: Stage2Work) -> torch.Tensor:
+        """(rows, m) scores that keep what ``exhaustive`` keeps, by the search this run makes in this layer
+        (``scores_every_entry``: the layer's length, the device, how loose ``work`` found the bounds so far),
+        counted in ``work``."""
+        if scores_every_entry(self.m + self.ws.window, self.device, work.bounded_share):
+            return self.exhaustive(work)
+        return self.bounded(work)
+
     def exhaustive(self, work: Stage2Work | None = None) -> torch.Tensor:
         """(rows, m) every entry's score, minus infinity where excluded: the reference. ``work`` counts it where it
         is the search a run made."""
@@ -260,6 +274,7 @@ class Stage2:
                 return torch.full((self.rows, self.m), float("-inf"), device=self.device)
             work.add_layer(live, self.m)
             work.exact += self.m * live
+            work.every_entry += self.m * live
         return self.exact().masked_fill(self.excluded, float("-inf"))
 
     def spectral_bounds(self) -> torch.Tensor:

@@ -21,9 +21,20 @@ import functools
 
 import torch
 
-# One configuration, never tuned per call: another block shape could change an entry's bits.
-BLOCK_ENTRIES = 64     # value rows per program
-BLOCK_OUTPUTS = 128    # columns of W^O_h per step of a program's loop
+# One configuration, never tuned per call: another block shape could change an entry's bits. Chosen on an H200
+# (2026-11-26, ninth session, scripts/value_norm_blocks.py, results/bench/value_norm_blocks_NVIDIA_H200.jsonl): of
+# 24 configurations on one layer of Llama-3.1-8B's shapes, the fastest at 8,192 entries (0.498 ms, 552 TFLOP/s,
+# against 0.702 ms for the earlier 64 x 128 with 4 warps) and the second at 2,048 (0.199 ms against 0.225 ms).
+# Its GPU tests passed under it (an entry's bits in any set, the bounded stage 2 equal to the exhaustive one).
+BLOCK_ENTRIES = 128    # value rows per program
+BLOCK_OUTPUTS = 64     # columns of W^O_h per step of a program's loop
+NUM_WARPS = 8          # Triton's launch options
+NUM_STAGES = 3
+
+
+def configuration() -> str:
+    """The kernel's configuration in words, for results rows: entries x outputs per block, warps, stages."""
+    return f"{BLOCK_ENTRIES}x{BLOCK_OUTPUTS}, {NUM_WARPS} warps, {NUM_STAGES} stages"
 
 
 def available(device: torch.device, d: int) -> bool:
@@ -101,12 +112,14 @@ def value_norms(values: torch.Tensor, weights: torch.Tensor, group: int,
 
 
 def launch(values: torch.Tensor, weights: torch.Tensor, group: int, sizes: torch.Tensor, out: torch.Tensor,
-           block_entries: int = BLOCK_ENTRIES, block_outputs: int = BLOCK_OUTPUTS, **options) -> None:
+           block_entries: int | None = None, block_outputs: int | None = None, **options) -> None:
     """The kernel over ``value_norms``' arguments into ``out``, in blocks of ``block_entries`` x ``block_outputs``
-    (``options``: Triton's launch options, e.g. ``num_warps``). Other blocks than the module's are for timing them
-    (``scripts/value_norm_blocks.py``): an entry's bits may depend on the block."""
+    (``options``: Triton's launch options, e.g. ``num_warps``), the module's configuration where not given. Other
+    configurations are for timing them (``scripts/value_norm_blocks.py``): an entry's bits may depend on them."""
     import triton
     r, c, d = values.shape
+    block_entries, block_outputs = block_entries or BLOCK_ENTRIES, block_outputs or BLOCK_OUTPUTS
+    options = {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES} | options
     _kernel()[(r * group, triton.cdiv(c, block_entries))](
         values, weights, sizes, out, c, group, weights.shape[-1] // group,
         *values.stride(), *weights.stride(), *out.stride(),
