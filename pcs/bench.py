@@ -305,6 +305,7 @@ def summarize(samples: list[dict]) -> dict:
     return {"prefill_s": statistics.median(s["prefill_s"] for s in samples),
             "prefill_rounds_s": [s["prefill_s"] for s in samples],
             "compress_s": statistics.median(s["compress_s"] for s in samples),
+            "compress_rounds_s": [s["compress_s"] for s in samples],
             "decode_ms_per_token": statistics.median(s["decode_ms_per_token"] for s in samples),
             "kv_bytes": samples[-1]["kv_bytes"], "kv_bytes_full": samples[-1]["kv_bytes_full"],
             "peak_mem_bytes": max(s["peak_mem_bytes"] for s in samples),
@@ -547,20 +548,22 @@ def selection_table(rows: list[dict]) -> str:
     if not pairs:
         return ""
     lines = ["| context | method | budget | conventions | compression | compression s: attention, perturbation | "
-             "perturbation / attention | whole prefills | exact norms / entries | d^2 bounds / entries | kept on the "
+             "perturbation / attention | by round, lowest-highest | whole prefills | exact norms / entries | d^2 bounds / entries | kept on the "
              "lower bound / entries | heads with a second round | ops per layer: attention, perturbation | "
              "median over fastest round: attention, perturbation |",
-             "|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for o in pairs:
         r = o.row
         times = f"{o.base['compress_s']:.3f}, {r['compress_s']:.3f}" if "compress_s" in r else "-"
         share = lambda key: f"{100 * r[key]:.1f} %" if key in r else "-"
+        rounds = o.round_ratios
+        by_round = f"{min(rounds):.3f}-{max(rounds):.3f} ({len(rounds)})" if rounds else "-"
         ops = f"{o.base['compress_ops_per_layer']:.0f}, {r['compress_ops_per_layer']:.0f}" \
             if "compress_ops_per_layer" in r and "compress_ops_per_layer" in o.base else "-"
         lines.append(f"| {r['context']} | {r['method']} | {r['budget']} | "
                      f"{'preset=' + r['preset'] if r.get('preset') else 'paper'} | "
                      f"{compression_label(r)} | "
-                     f"{times} | {o.ratio:.3f} | "
+                     f"{times} | {o.ratio:.3f} | {by_round} | "
                      f"{o.wall_ratio:.3f} | {share('stage2_exact_share')} | {share('stage2_gram_share')} | "
                      f"{share('stage2_certified_share')} | {share('stage2_widened_share')} | {ops} | "
                      f"{spread(o.base)}, {spread(r)}{' (void)' if o.void else ''} |")
@@ -631,6 +634,27 @@ class Overhead:
             return self.wall_ratio
         return (self.base["prefill_s"] - self.base["compress_s"] + self.row["compress_s"]) / self.base["prefill_s"]
 
+    @property
+    def round_ratios(self) -> list[float]:
+        """``ratio`` per round, each row's i-th round against the other's i-th: the bench measures every
+        configuration once a round, in turn, so a round's two rows ran next to each other and share the machine's
+        state of the moment. Empty where a row kept no rounds (older files) or the rows kept unequal numbers."""
+        a, p = self.base, self.row
+        keys = ("prefill_rounds_s",) if self.whole_prefills else ("prefill_rounds_s", "compress_rounds_s")
+        if not all(k in r for k in keys for r in (a, p)) or len({len(r[k]) for k in keys for r in (a, p)}) != 1:
+            return []
+        if self.whole_prefills:
+            return [x / y for x, y in zip(p["prefill_rounds_s"], a["prefill_rounds_s"])]
+        return [(pa - ca + cp) / pa for pa, ca, cp in zip(a["prefill_rounds_s"], a["compress_rounds_s"],
+                                                          p["compress_rounds_s"])]
+
+    def verdict(self, limit: float) -> str:
+        """Against a target ratio ``limit``: met or missed in every round (``round_ratios``), else undecided (some
+        rounds on either side: the target lies within the rounds' spread); by the medians' ratio alone where the
+        rows kept no rounds."""
+        rounds = self.round_ratios or [self.ratio]
+        return "met" if max(rounds) <= limit else "missed" if min(rounds) > limit else "undecided"
+
 
 def selection_overheads(rows: list[dict]) -> list[Overhead]:
     """Each perturbation row paired with the attention row under the same conventions."""
@@ -648,7 +672,8 @@ LEAST_DECODED_TOKENS = 8
 
 def targets(rows: list[dict]) -> list[str]:
     """The engine's targets, read off a results file: perturbation selection's prefill + compression at most
-    1.10x attention selection's at 8K and 1.03x at 32K on a GPU, 1.03x at 4K on a CPU; decoding on a budget-128 cache reaches 80 % of the memory-traffic bound at 32K and
+    1.10x attention selection's at 8K and 1.03x at 32K on a GPU, 1.03x at 4K on a CPU (met or missed in every round
+    of every pair, else undecided: ``Overhead.verdict``); decoding on a budget-128 cache reaches 80 % of the memory-traffic bound at 32K and
     128K; decoding on every compressed cache beats the full cache from 8K tokens up; at most 2 attention
     calls per layer and decoded token."""
     out = []
@@ -668,11 +693,19 @@ def targets(rows: list[dict]) -> list[str]:
         r = worst.row
         limit = (CPU_SELECTION_OVERHEAD if r["device"] == "cpu" else SELECTION_OVERHEAD).get(context)
         walls = [o.wall_ratio for o in here]
+        verdict = ""
+        if limit:      # the context's verdict is its worst pair's: missed over undecided over met
+            verdicts = [o.verdict(limit) for o in here]
+            overall = next(v for v in ("missed", "undecided", "met") if v in verdicts)
+            open_ = [f"{o.row['method']} {selection_label(o.row)} b{o.row['budget']} {v} "
+                     f"({min(o.round_ratios):.3f}x-{max(o.round_ratios):.3f}x)" if o.round_ratios else
+                     f"{o.row['method']} {selection_label(o.row)} b{o.row['budget']} {v}"
+                     for o, v in zip(here, verdicts) if v != "met"]
+            verdict = f" [target <= {limit:.2f}x: {overall}]" + (f" (by round: {'; '.join(open_)})" if open_ else "")
         out.append(f"perturbation over attention selection, prefill + compression at {context}: "
                    f"{min(o.ratio for o in here):.3f}x to {worst.ratio:.3f}x over {len(here)} pairs (most: {r['method']} "
                    f"{selection_label(r)} b{r['budget']}; whole prefills' ratios {min(walls):.3f}x to {max(walls):.3f}x"
-                   f"{voided})"
-                   + (f" [target <= {limit:.2f}x: {'met' if worst.ratio <= limit else 'missed'}]" if limit else ""))
+                   f"{voided})" + verdict)
     decoded = [r for r in rows if r.get("decode_tokens", LEAST_DECODED_TOKENS) >= LEAST_DECODED_TOKENS]
     if len(decoded) < len(rows):
         out.append(f"decode targets: {len(rows) - len(decoded)} rows not read, which decoded fewer than "

@@ -272,3 +272,31 @@ def test_rows_under_auto_search_pair_with_their_attention_rows_and_say_where_eve
     assert compression_label(loose).endswith("bounded, then every entry in 97 % of the entries (loose bounds)")
     assert compression_label(tight).endswith("norms kernel, bounded (auto)")
     assert compression_label(attention | {"stage2_search": "exhaustive"}).endswith("every entry scored")
+
+
+def test_a_pairs_verdict_reads_its_rounds_paired_in_order():
+    """Each round's ratio pairs the two rows' i-th rounds, (P_a - C_a + C_p) / P_a where both timed their
+    compression after each layer (a CPU's), the whole prefills' where the compression ran behind: met or missed
+    only where every round is, undecided where the target lies between rounds, and the context's line takes its
+    worst pair's verdict and names the pairs not met with their rounds' range."""
+    from pcs.bench import selection_overheads, targets
+
+    def row(selection, prefills, compressions, budget=1024):
+        return {"context": 4096, "method": "snapkv", "selection": selection, "budget": budget, "preset": None,
+                "device": "cpu", "compression_layers_behind": 0, "prefill_s": statistics.median(prefills),
+                "prefill_rounds_s": prefills, "compress_s": statistics.median(compressions),
+                "compress_rounds_s": compressions, "decode_speedup": 1.0, "decode_bound": 1.0}
+    attention = row("attention", [10.0, 10.0, 12.0], [0.1, 0.1, 0.3])
+    straddles = row("perturbation", [10.2, 10.4, 12.0], [0.3, 0.5, 0.5])     # rounds 1.02, 1.04, 1.0167
+    pair, = selection_overheads([attention, straddles])
+    assert pair.round_ratios == pytest.approx([(10 - 0.1 + 0.3) / 10, (10 - 0.1 + 0.5) / 10, (12 - 0.3 + 0.5) / 12])
+    assert pair.ratio == pytest.approx((10 - 0.1 + 0.5) / 10)    # the medians' ratio, above the target
+    assert pair.verdict(1.03) == "undecided" and pair.verdict(1.05) == "met" and pair.verdict(1.01) == "missed"
+    met = row("perturbation", [10.0] * 3, [0.2, 0.2, 0.4], budget=128)
+    b128 = row("attention", [10.0, 10.0, 12.0], [0.1, 0.1, 0.3], budget=128)
+    line = next(x for x in targets([attention, straddles, b128, met]) if x.startswith("perturbation over"))
+    assert line.endswith("[target <= 1.03x: undecided] (by round: snapkv perturbation b1024 undecided "
+                         "(1.017x-1.040x))")
+    del straddles["compress_rounds_s"]          # an older file's row: the medians decide
+    assert selection_overheads([attention, straddles])[0].round_ratios == []
+    assert selection_overheads([attention, straddles])[0].verdict(1.03) == "missed"
