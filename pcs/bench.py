@@ -37,6 +37,7 @@ from .compression import CompressionStats
 from .config import compose, uses
 from .engine import Cell, DecodePool, clock, prefill
 from .eviction import build_method, scores
+from .eviction.selection import Stage2Work
 from .hybrid import head_dim
 from .kernels import value_norms as value_norm_kernel
 from .generate import greedy_generate
@@ -432,6 +433,8 @@ def measure(args) -> list[dict]:
         search = "exhaustive" if scores.scores_every_entry(context, torch.device(device)) else \
             "auto" if scores.STAGE2_SEARCH == "auto" and scores.batches_rows(torch.device(device)) else "bounded"
         for _, method in built:
+            if method.two_stage:       # each context's stage-2 work, and auto's evidence, on its own
+                method.selection.work = Stage2Work()
             greedy_generate(model, ids, method, 2, set())
         samples = [[] for _ in built]
         for _ in range(args.repeats - 1):
@@ -537,7 +540,7 @@ def compression_label(row: dict) -> str:
     every = row.get("stage2_every_entry_share", 0.0)
     return when + (", norms kernel" if row.get("value_norm_kernel") else "") \
         + (", every entry scored" if search == "exhaustive" else
-           f", bounded, then every entry in {100 * every:.0f} % of the entries (loose bounds)" if search == "auto"
+           f", bounded, then every entry in {100 * every:.1f} % of the entries (loose bounds)" if search == "auto"
            and every else ", bounded (auto)" if search == "auto" else "")
 
 
@@ -548,8 +551,8 @@ def selection_table(rows: list[dict]) -> str:
     if not pairs:
         return ""
     lines = ["| context | method | budget | conventions | compression | compression s: attention, perturbation | "
-             "perturbation / attention | by round, lowest-highest | whole prefills | exact norms / entries | d^2 bounds / entries | kept on the "
-             "lower bound / entries | heads with a second round | ops per layer: attention, perturbation | "
+             "perturbation / attention | by round, lowest-highest | whole prefills | exact norms / entries | "
+             "d^2 bounds / entries | kept on the lower bound / entries | heads with a second round | ops per layer: attention, perturbation | "
              "median over fastest round: attention, perturbation |",
              "|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for o in pairs:
@@ -637,8 +640,8 @@ class Overhead:
     @property
     def round_ratios(self) -> list[float]:
         """``ratio`` per round, each row's i-th round against the other's i-th: the bench measures every
-        configuration once a round, in turn, so a round's two rows ran next to each other and share the machine's
-        state of the moment. Empty where a row kept no rounds (older files) or the rows kept unequal numbers."""
+        configuration once a round, in turn, so a round's rows ran within one pass over the configurations, closer
+        in time than rounds apart. Empty where a row kept no rounds (older files) or the rows kept unequal numbers."""
         a, p = self.base, self.row
         keys = ("prefill_rounds_s",) if self.whole_prefills else ("prefill_rounds_s", "compress_rounds_s")
         if not all(k in r for k in keys for r in (a, p)) or len({len(r[k]) for k in keys for r in (a, p)}) != 1:
@@ -660,7 +663,7 @@ def selection_overheads(rows: list[dict]) -> list[Overhead]:
     """Each perturbation row paired with the attention row under the same conventions."""
     def key(r):
         return (r["context"], r["method"], r["budget"], r.get("preset"), r.get("compression_layers_behind", 0),
-                r.get("value_norm_kernel", False), r.get("stage2_search", "bounded"))
+                r.get("value_norm_kernel", False), r.get("value_norm_blocks"), r.get("stage2_search", "bounded"))
     attention = {key(r): r for r in rows if r["selection"] == "attention"}
     return [Overhead(r, attention[key(r)]) for r in rows if r["selection"] == "perturbation" and key(r) in attention]
 
@@ -673,8 +676,8 @@ LEAST_DECODED_TOKENS = 8
 def targets(rows: list[dict]) -> list[str]:
     """The engine's targets, read off a results file: perturbation selection's prefill + compression at most
     1.10x attention selection's at 8K and 1.03x at 32K on a GPU, 1.03x at 4K on a CPU (met or missed in every round
-    of every pair, else undecided: ``Overhead.verdict``); decoding on a budget-128 cache reaches 80 % of the memory-traffic bound at 32K and
-    128K; decoding on every compressed cache beats the full cache from 8K tokens up; at most 2 attention
+    of every pair, else undecided: ``Overhead.verdict``); decoding on a budget-128 cache reaches 80 % of the
+    memory-traffic bound at 32K and 128K; decoding on every compressed cache beats the full cache from 8K tokens up; at most 2 attention
     calls per layer and decoded token."""
     out = []
     overheads = selection_overheads(rows)

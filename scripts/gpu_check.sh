@@ -39,13 +39,13 @@
 #   TESTS=0 APPEND=1 CONTEXTS=8192 METHODS=snapkv POOLS= REPEATS=2 DECODE_TOKENS=2 KERNEL=0 bash scripts/gpu_check.sh
 #   (then without KERNEL=0)
 # Stage 2's search, bounded against every entry scored (the default, auto, scores every entry below 16K entries a
-# layer; on an H200, 2026-11-26, 8K with METHODS="snapkv adakv" and criticalkv, REPEATS=3, took about 200 s a search,
+# layer, and in longer ones once a run's bounded layers have left more than half their entries to score; on an H200, 2026-11-26, 8K with METHODS="snapkv adakv" and criticalkv, REPEATS=3, took about 200 s a search,
 # 32K with METHODS=snapkv and criticalkv, REPEATS=2, about 120 s):
 #   python3 -m pytest -q -m gpu tests/test_gpu.py -k "scoring_every or bounded_stage2 or syncs_a_constant"
 #   TESTS=0 CONTEXTS=8192 METHODS=snapkv POOLS= REPEATS=3 DECODE_TOKENS=2 SEARCH=bounded bash scripts/gpu_check.sh
 #   (then APPEND=1 ... SEARCH=exhaustive), and both at 32K: APPEND=1 CONTEXTS=32768 METHODS=snapkv ANALYSIS=0 ...
-#   Where the threshold (pcs.eviction.scores.EXHAUSTIVE_BELOW_ENTRIES, 16K, unmeasured there) belongs: the same pair
-#   at CONTEXTS=16384.
+#   Where the threshold (pcs.eviction.scores.EXHAUSTIVE_BELOW_ENTRIES, 16K) belongs: the same pair at CONTEXTS=16384
+#   (ninth session: bounded 1.013 against 1.081 at b128).
 # The norms kernel's block shapes (26 s on an H200; writes results/bench/value_norm_blocks_<device>.jsonl or --out):
 #   PYTHONPATH=/tmp/pcs-gpu-site:$PWD python3 scripts/value_norm_blocks.py --out "$OUT/value_norm_blocks.jsonl"
 #   (after a gpu_check.sh run has installed wheels/ there)

@@ -614,16 +614,18 @@ def test_stage2_search_auto_scores_every_entry_in_short_layers_and_bounds_long_o
     assert 0 < on_cpu.exact < on_cpu.entries and on_cpu.host_reads >= 1
 
 
-@pytest.mark.parametrize("loose", [True, False])
-def test_stage2_search_auto_scores_every_entry_once_the_runs_bounds_prove_loose(loose, monkeypatch):
+@pytest.mark.parametrize("loose, evidence", [(True, 1), (False, 1), (True, 2)])
+def test_stage2_search_auto_scores_every_entry_once_the_runs_bounds_prove_loose(loose, evidence, monkeypatch):
     """STAGE2_SEARCH=auto with an accelerator's plan, forced on the CPU, in layers long enough to be bounded: a run
-    whose bounded layers so far scored more than LOOSE_BOUNDS_SHARE of their entries exactly scores every entry of
-    its next layer, without a read of the device, and keeps what the bounded search keeps; at or below the share
-    it keeps bounding. The share is set just below or at the first layer's own, so the test reads the rule, not
-    how loose these random layers' bounds happen to be."""
+    whose bounded layers so far, at least LOOSE_AFTER_LAYERS of them, scored more than LOOSE_BOUNDS_SHARE of their
+    entries exactly scores every entry of its next layer, without a read of the device, and keeps what the bounded
+    search keeps; at or below the share, or with fewer bounded layers, it keeps bounding. The share is set just
+    below or at the first layer's own, so the test reads the rule, not how loose these random layers' bounds
+    happen to be."""
     import pcs.eviction.scores as scores_module
     monkeypatch.setattr(scores_module, "batches_rows", lambda device: True)
     monkeypatch.setattr(scores_module, "EXHAUSTIVE_BELOW_ENTRIES", 2000)
+    monkeypatch.setattr(scores_module, "LOOSE_AFTER_LAYERS", evidence)
     first, second = long_layer(3, n=3000), long_layer(4, n=3000)
 
     def method():
@@ -642,8 +644,8 @@ def test_stage2_search_auto_scores_every_entry_once_the_runs_bounds_prove_loose(
     assert 0 < share < 1 and work.every_entry == 0 and reads >= 1
     monkeypatch.setattr(scores_module, "LOOSE_BOUNDS_SHARE", share * (1 - 1e-6) if loose else share)
     assert [k.tolist() for k in run.keep(second)] == expected
-    if loose:
+    if loose and evidence == 1:
         assert work.every_entry == work.entries - entries > 0 and work.host_reads == reads
-        assert work.bounded_share == share and 0 < work.every_entry_share < 1
-    else:
-        assert work.every_entry == 0 and work.host_reads > reads and work.bounded_share < 1
+        assert work.bounded_share == share and 0 < work.every_entry_share < 1 and work.every_entry_layers == 1
+    else:           # the second layer bounded too: the device read again, both layers counted as bounded
+        assert work.every_entry == 0 and work.host_reads > reads and work.layers - work.every_entry_layers == 2

@@ -42,7 +42,7 @@ def test_the_kernel_computes_every_rows_query_heads_norms_in_the_interpreter():
             assert error < 1e-5, (dtype, error)
             assert value_norms(values[:, :0], weights, group).shape == (rows, group, 0)
             # rows asking for part of a block and for more than one: those entries' bits, zeros past them
-            for sizes in ([5, 150], [0, 70], [64, 65]):
+            for sizes in ([5, 150], [0, 70], [64, 65], [128, 129]):
                 ragged = value_norms(values, weights, group, torch.tensor(sizes))
                 for r, n in enumerate(sizes):
                     assert torch.equal(ragged[r, :, :n], got[r, :, :n]) and not ragged[r, :, n:].any(), (sizes, r)

@@ -220,25 +220,27 @@ def batches_rows(device: torch.device) -> bool:
 #        multiply-adds, about 5 % of the forward's FLOPs) compete with it for the device; criticalkv's knobs,
 #        bounded 1.083 / 1.090 against exhaustive 1.058 / 1.061 (exact norms for 66 % / 89 %).
 # Lines through 32K's bounded points (paper's b1024 to either of criticalkv's) meet the exhaustive search's
-# 1.058-1.061 at 46-57 % of the entries scored exactly: LOOSE_BOUNDS_SHARE sits between. How loose the bounds are
+# 1.058-1.061 at 46-60 % of the entries scored exactly: LOOSE_BOUNDS_SHARE sits between. How loose the bounds are
 # follows the model and the knobs (the embedded model's real layers under criticalkv's knobs at 1,024: 41-43 %), not
-# the layer's length, so a run judges it from its own bounded layers; once it scores every entry it has no new
-# evidence and keeps doing so.
+# the layer's length, so a run judges it from its own bounded layers, at least LOOSE_AFTER_LAYERS of them (a model's
+# first layers can differ from the rest); once it scores every entry it has no new evidence and keeps doing so.
 STAGE2_SEARCH = "auto"
 EXHAUSTIVE_BELOW_ENTRIES = 16384
 LOOSE_BOUNDS_SHARE = 0.5
+LOOSE_AFTER_LAYERS = 4
 
 
-def scores_every_entry(n: int, device: torch.device, bounded_share: float = 0.0) -> bool:
-    """Whether stage 2 scores every one of a layer's ``n`` entries (``STAGE2_SEARCH``), where the run's bounded
-    layers so far scored ``bounded_share`` of their entries exactly: only ever on an accelerator, where the
-    bounded search's launches and waits for the device cost more than the norms it spares in short layers and
+def scores_every_entry(n: int, device: torch.device, bounded_share: float = 0.0, bounded_layers: int = 0) -> bool:
+    """Whether stage 2 scores every one of a layer's ``n`` entries (``STAGE2_SEARCH``), where the run's
+    ``bounded_layers`` bounded layers so far scored ``bounded_share`` of their entries exactly: only ever on an
+    accelerator, where the bounded search's launches and waits for the device cost more than the norms it spares in short layers and
     where loose bounds spare too few; on a CPU the multiply-adds are what costs, and the bounds spare most of
     them."""
     if not batches_rows(device):
         return False
     if STAGE2_SEARCH == "auto":
-        return n < EXHAUSTIVE_BELOW_ENTRIES or bounded_share > LOOSE_BOUNDS_SHARE
+        loose = bounded_layers >= LOOSE_AFTER_LAYERS and bounded_share > LOOSE_BOUNDS_SHARE
+        return n < EXHAUSTIVE_BELOW_ENTRIES or loose
     return STAGE2_SEARCH == "exhaustive"
 
 

@@ -54,12 +54,13 @@ class AttentionSelection:
 class Stage2Work:
     """What stage 2 computed, summed over the layers it selected in (``pcs.bench`` reports it)."""
     entries: int = 0          # prefix entries of those heads: what exhaustive scoring computes
-    exact: int = 0            # entries whose ||v W^O_h||_1 was computed
+    exact: int = 0            # norms ||v W^O_h||_1 computed (an entry rescored with its whole row counts again)
     certified: int = 0        # entries kept on their lower bound alone, without an exact norm
     gram: int = 0             # entries whose d^2 bound was computed (the d bound is computed for every entry)
     heads: int = 0            # KV heads (rows) that chose by stage 2
     widened: int = 0          # of them, heads whose first candidates left entries to score (a second round)
     every_entry: int = 0      # of ``entries``, those of layers whose search scored every entry (``exact`` too)
+    every_entry_layers: int = 0   # of ``layers``, those
     host_reads: int = 0       # times stage 2 waited for the device
     layers: int = 0           # layers it selected in
 
@@ -261,7 +262,8 @@ class Stage2:
         """(rows, m) scores that keep what ``exhaustive`` keeps, by the search this run makes in this layer
         (``scores_every_entry``: the layer's length, the device, how loose ``work`` found the bounds so far),
         counted in ``work``."""
-        if scores_every_entry(self.m + self.ws.window, self.device, work.bounded_share):
+        if scores_every_entry(self.m + self.ws.window, self.device, work.bounded_share,
+                              work.layers - work.every_entry_layers):
             return self.exhaustive(work)
         return self.bounded(work)
 
@@ -275,6 +277,7 @@ class Stage2:
             work.add_layer(live, self.m)
             work.exact += self.m * live
             work.every_entry += self.m * live
+            work.every_entry_layers += 1
         return self.exact().masked_fill(self.excluded, float("-inf"))
 
     def spectral_bounds(self) -> torch.Tensor:

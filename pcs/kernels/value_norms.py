@@ -25,7 +25,9 @@ import torch
 # (2026-11-26, ninth session, scripts/value_norm_blocks.py, results/bench/value_norm_blocks_NVIDIA_H200.jsonl): of
 # 24 configurations on one layer of Llama-3.1-8B's shapes, the fastest at 8,192 entries (0.498 ms, 552 TFLOP/s,
 # against 0.702 ms for the earlier 64 x 128 with 4 warps) and the second at 2,048 (0.199 ms against 0.225 ms).
-# Its GPU tests passed under it (an entry's bits in any set, the bounded stage 2 equal to the exhaustive one).
+# The GPU tests of the kernel and of stage 2 passed under it (-k "value_norm_kernel or bounded_stage2 or
+# syncs_a_constant or scoring_every", 26 tests: its norms, an entry's bits in any set, the bounded stage 2 equal to
+# the exhaustive one); the rest of tests/test_gpu.py has not run under it.
 BLOCK_ENTRIES = 128    # value rows per program
 BLOCK_OUTPUTS = 64     # columns of W^O_h per step of a program's loop
 NUM_WARPS = 8          # Triton's launch options
@@ -118,7 +120,8 @@ def launch(values: torch.Tensor, weights: torch.Tensor, group: int, sizes: torch
     configurations are for timing them (``scripts/value_norm_blocks.py``): an entry's bits may depend on them."""
     import triton
     r, c, d = values.shape
-    block_entries, block_outputs = block_entries or BLOCK_ENTRIES, block_outputs or BLOCK_OUTPUTS
+    block_entries = BLOCK_ENTRIES if block_entries is None else block_entries
+    block_outputs = BLOCK_OUTPUTS if block_outputs is None else block_outputs
     options = {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES} | options
     _kernel()[(r * group, triton.cdiv(c, block_entries))](
         values, weights, sizes, out, c, group, weights.shape[-1] // group,
