@@ -430,8 +430,7 @@ def measure(args) -> list[dict]:
     rows = []
     for context in args.contexts:
         ids = random_prompt(model, context)
-        search = "exhaustive" if scores.scores_every_entry(context, torch.device(device)) else \
-            "auto" if scores.STAGE2_SEARCH == "auto" and scores.batches_rows(torch.device(device)) else "bounded"
+        search = scores.stage2_search(context, torch.device(device))
         for _, method in built:
             if method.two_stage:       # each context's stage-2 work, and auto's evidence, on its own
                 method.selection.work = Stage2Work()
@@ -536,12 +535,11 @@ def compression_label(row: dict) -> str:
     scored every entry (``--stage2-search``; under auto, in which share of the entries)."""
     layers = row.get("compression_layers_behind", 0)
     when = "after each layer" if not layers else f"{layers} layer{'s' if layers > 1 else ''} behind"
-    search = row.get("stage2_search")
+    search = {"exhaustive": ", every entry scored", "auto": ", bounded (auto)"}.get(row.get("stage2_search"), "")
     every = row.get("stage2_every_entry_share", 0.0)
-    return when + (", norms kernel" if row.get("value_norm_kernel") else "") \
-        + (", every entry scored" if search == "exhaustive" else
-           f", bounded, then every entry in {100 * every:.1f} % of the entries (loose bounds)" if search == "auto"
-           and every else ", bounded (auto)" if search == "auto" else "")
+    if row.get("stage2_search") == "auto" and every:
+        search = f", bounded, then every entry in {100 * every:.1f} % of the entries (loose bounds)"
+    return when + (", norms kernel" if row.get("value_norm_kernel") else "") + search
 
 
 def selection_table(rows: list[dict]) -> str:
@@ -552,8 +550,8 @@ def selection_table(rows: list[dict]) -> str:
         return ""
     lines = ["| context | method | budget | conventions | compression | compression s: attention, perturbation | "
              "perturbation / attention | by round, lowest-highest | whole prefills | exact norms / entries | "
-             "d^2 bounds / entries | kept on the lower bound / entries | heads with a second round | ops per layer: attention, perturbation | "
-             "median over fastest round: attention, perturbation |",
+             "d^2 bounds / entries | kept on the lower bound / entries | heads with a second round | "
+             "ops per layer: attention, perturbation | median over fastest round: attention, perturbation |",
              "|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for o in pairs:
         r = o.row
@@ -677,8 +675,8 @@ def targets(rows: list[dict]) -> list[str]:
     """The engine's targets, read off a results file: perturbation selection's prefill + compression at most
     1.10x attention selection's at 8K and 1.03x at 32K on a GPU, 1.03x at 4K on a CPU (met or missed in every round
     of every pair, else undecided: ``Overhead.verdict``); decoding on a budget-128 cache reaches 80 % of the
-    memory-traffic bound at 32K and 128K; decoding on every compressed cache beats the full cache from 8K tokens up; at most 2 attention
-    calls per layer and decoded token."""
+    memory-traffic bound at 32K and 128K; decoding on every compressed cache beats the full cache from 8K tokens
+    up; at most 2 attention calls per layer and decoded token."""
     out = []
     overheads = selection_overheads(rows)
     for context in sorted({o.row["context"] for o in overheads}):

@@ -39,7 +39,8 @@
 #   TESTS=0 APPEND=1 CONTEXTS=8192 METHODS=snapkv POOLS= REPEATS=2 DECODE_TOKENS=2 KERNEL=0 bash scripts/gpu_check.sh
 #   (then without KERNEL=0)
 # Stage 2's search, bounded against every entry scored (the default, auto, scores every entry below 16K entries a
-# layer, and in longer ones once a run's bounded layers have left more than half their entries to score; on an H200, 2026-11-26, 8K with METHODS="snapkv adakv" and criticalkv, REPEATS=3, took about 200 s a search,
+# layer, and in longer ones once a run's bounded layers have left more than half their entries to score; on an
+# H200, 2026-11-26, 8K with METHODS="snapkv adakv" and criticalkv, REPEATS=3, took about 200 s a search,
 # 32K with METHODS=snapkv and criticalkv, REPEATS=2, about 120 s):
 #   python3 -m pytest -q -m gpu tests/test_gpu.py -k "scoring_every or bounded_stage2 or syncs_a_constant"
 #   TESTS=0 CONTEXTS=8192 METHODS=snapkv POOLS= REPEATS=3 DECODE_TOKENS=2 SEARCH=bounded bash scripts/gpu_check.sh

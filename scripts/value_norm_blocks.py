@@ -3,7 +3,8 @@
 On an H200 (2026-11-26, ninth session, results/bench/value_norm_blocks_NVIDIA_H200.jsonl) the kernel's configuration
 of then (64 x 128, 4 warps, 3 stages) ran at 392 TFLOP/s on 8,192 entries, and 128 x 64 with 8 warps at 552: the
 module's configuration since. This times each configuration of a small grid (entries per program, ``W^O_h``
-columns per step, warps, pipeline stages) on one layer's shapes: 8 KV heads of 4 query heads, d = 128, hidden 4,096, every entry of an 8K and of a 2K layer
+columns per step, warps, pipeline stages) on one layer's shapes: 8 KV heads of 4 query heads, d = 128, hidden
+4,096, every entry of an 8K and of a 2K layer
 (the bounded stage 2's typical round), and the batched products' path for reference. Each row: median milliseconds
 of 20 launches after 3, TFLOP/s (2 d hidden multiply-adds per entry and query head), and the largest relative
 distance from the float64 norms. The kernel keeps one configuration whatever the call (an entry's bits may depend on

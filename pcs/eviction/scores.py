@@ -233,15 +233,23 @@ LOOSE_AFTER_LAYERS = 4
 def scores_every_entry(n: int, device: torch.device, bounded_share: float = 0.0, bounded_layers: int = 0) -> bool:
     """Whether stage 2 scores every one of a layer's ``n`` entries (``STAGE2_SEARCH``), where the run's
     ``bounded_layers`` bounded layers so far scored ``bounded_share`` of their entries exactly: only ever on an
-    accelerator, where the bounded search's launches and waits for the device cost more than the norms it spares in short layers and
-    where loose bounds spare too few; on a CPU the multiply-adds are what costs, and the bounds spare most of
-    them."""
+    accelerator, where the bounded search's launches and waits for the device cost more than the norms it spares
+    in short layers and where loose bounds spare too few; on a CPU the multiply-adds are what costs, and the bounds
+    spare most of them."""
     if not batches_rows(device):
         return False
     if STAGE2_SEARCH == "auto":
         loose = bounded_layers >= LOOSE_AFTER_LAYERS and bounded_share > LOOSE_BOUNDS_SHARE
         return n < EXHAUSTIVE_BELOW_ENTRIES or loose
     return STAGE2_SEARCH == "exhaustive"
+
+
+def stage2_search(n: int, device: torch.device) -> str:
+    """The search a run starts with in layers of ``n`` entries, for results rows: "exhaustive", "bounded", or
+    "auto" where it bounds until the bounds prove loose (``scores_every_entry``)."""
+    if scores_every_entry(n, device):
+        return "exhaustive"
+    return "auto" if STAGE2_SEARCH == "auto" and batches_rows(device) else "bounded"
 
 
 @dataclass(frozen=True)
