@@ -142,14 +142,12 @@ def counting_ties(conventions):
     from pcs.eviction.conventions import Conventions
 
     class CountingTies(Conventions):
-        def top(self, scores, k):
-            kept = super().top(scores, k)
-            finite = torch.isfinite(scores)
-            if 0 < k < int(finite.sum()):
-                evicted = scores.clone()
-                evicted[kept] = float("-inf")
-                TIES.append(bool(evicted.max() == scores[kept].min()))
-            return kept
+        def top_mask(self, scores, ks, counts):
+            mask = super().top_mask(scores, ks, counts)
+            for row, kept, k in zip(scores, mask, counts):
+                if 0 < k < int(torch.isfinite(row).sum()):
+                    TIES.append(bool(row[~kept].max() == row[kept].min()))
+            return mask
 
     return CountingTies(**asdict(conventions))
 

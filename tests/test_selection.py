@@ -130,12 +130,34 @@ def test_value_norms_equal_brute_force_whatever_the_tile():
         torch.testing.assert_close(norms[:, :29].double(), N, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_value_norms_are_float32_sums_of_the_products_absolute_values(dtype, fused):
-    """The norm sums the product's absolute values in float32. The CPU's plan gives the bits of converting the
-    product first and summing (those the committed results were computed with); an accelerator's (``fused``, one
-    reduction that upcasts as it reads, run here on the CPU) agrees to float32's rounding."""
+def kvpress_vwl1norm_per_query_head(values: torch.Tensor, o_proj_weight: torch.Tensor) -> torch.Tensor:
+    """kvpress 0.5.5's ``CriticalKVPress.vwl1norm`` (criticalkv_press.py lines 59-72) transcribed for one sequence,
+    before its group mean: (H_kv, n, d) values, (hidden, H_q * d) weight -> (H_q, n), each query head's
+    ``torch.norm(p=1)`` of its whole (n, hidden) product."""
+    n_kv, n, d = values.shape
+    hidden, qd = o_proj_weight.shape
+    n_q = qd // d
+    wo = o_proj_weight.transpose(0, 1).reshape(n_q, d, hidden)
+    v = values.repeat_interleave(n_q // n_kv, dim=0)
+    return torch.stack([torch.norm(v[head].matmul(wo[head]), p=1, dim=-1) for head in range(n_q)])
+
+
+@pytest.mark.parametrize("tile", [32, 100, 512])
+def test_value_norms_are_kvpress_bits_in_float32(tile):
+    """In float32 on this CPU, every tile's norms are the bits kvpress's CriticalKVPress computes over the whole
+    prompt at once (``make conformance`` compares whole selections; this pins the norms themselves)."""
+    g = torch.Generator().manual_seed(4)
+    n_kv, n_q, n, d, hidden = 3, 9, 700, 64, 576        # SmolLM2's layer shapes
+    values = torch.randn(n_kv, n, d, generator=g)
+    weight = torch.randn(hidden, n_q * d, generator=g) / 8
+    got = projected_value_norms(values, group_weights(weight, n_kv, d), n_q // n_kv, tile).flatten(0, 1)
+    assert torch.equal(got, kvpress_vwl1norm_per_query_head(values, weight))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_value_norms_are_float32_sums_of_the_products_absolute_values(dtype):
+    """Half-precision products' norms are summed in float32 (read as float32, no half-precision sum), to float32's
+    rounding of the float32 sum of their absolute values."""
     g = torch.Generator().manual_seed(4)
     r, c, d, group, hidden, tile = 3, 200, 32, 4, 96, 64
     values = torch.randn(r, c, d, generator=g).to(dtype)
@@ -143,13 +165,9 @@ def test_value_norms_are_float32_sums_of_the_products_absolute_values(dtype, fus
     padded = torch.cat([values, values.new_zeros(r, 256 - c, d)], 1)
     want = torch.cat([torch.bmm(padded[:, s:s + tile], weights).float().abs().view(r, tile, group, hidden).sum(-1)
                       for s in range(0, 256, tile)], 1)[:, :c].transpose(1, 2)
-    got = projected_value_norms(values, weights, group, tile, fused)
+    got = projected_value_norms(values, weights, group, tile)
     assert got.dtype == torch.float32
-    if fused:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
-    else:
-        assert torch.equal(got, want)
-    assert norm_plan(r, c, d, group, hidden, dtype, torch.device("cpu")).fused is False
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
 
 
 def test_an_entrys_norm_does_not_depend_on_the_rows_scored_with_it():
@@ -158,11 +176,10 @@ def test_an_entrys_norm_does_not_depend_on_the_rows_scored_with_it():
     layer = random_layer(9, n=300, d=16, hidden=96)
     n_kv = layer.values.shape[0]
     weights = group_weights(layer.o_proj_weight, n_kv, 16)
-    for fused in (False, True):
-        every = projected_value_norms(layer.values[:1], weights[:1], 3, 32, fused)
-        some = torch.tensor([299, 3, 150, 151, 7, 64])
-        assert torch.equal(projected_value_norms(layer.values[:1, some], weights[:1], 3, 32, fused), every[..., some])
-        assert torch.equal(projected_value_norms(layer.values, weights, 3, 32, fused)[:1], every)
+    every = projected_value_norms(layer.values[:1], weights[:1], 3, 32)
+    some = torch.tensor([299, 3, 150, 151, 7, 64])
+    assert torch.equal(projected_value_norms(layer.values[:1, some], weights[:1], 3, 32), every[..., some])
+    assert torch.equal(projected_value_norms(layer.values, weights, 3, 32)[:1], every)
 
 
 def test_top_eigenvalue_bound_is_above_the_eigensolvers_and_close_to_it():
@@ -489,10 +506,20 @@ def test_one_layers_compression_waits_for_the_device_a_constant_number_of_times(
         assert 1 <= min(counts) and max(counts) <= MOST_HOST_READS, (profile, method, counts)
 
 
+def kvpress_heads_top(scores: torch.Tensor, ks: list[int]) -> list[list[int]]:
+    """Each row's kept positions as kvpress 0.5.5's ``CriticalAdaKVPress.compress`` marks them (criticalkv_press.py
+    lines 183-186, transcribed: one ``torch.topk`` with the largest budget, sorted, then each head's first budget)."""
+    if not max(ks):
+        return [[] for _ in ks]
+    top_k_index = torch.topk(scores, max(ks), sorted=True, dim=-1).indices
+    return [sorted(top_k_index[head, :budget].tolist()) for head, budget in enumerate(ks)]
+
+
 @pytest.mark.parametrize("ties", ["earlier", "topk"])
 def test_every_rows_top_at_once_is_each_rows_top(ties):
-    """``Conventions.top_mask`` and ``positions`` pick for all rows at once what ``Conventions.top`` picks row by row,
-    ties included (scores rounded to a few values, so ties at the cut are common), k from 0 to every entry."""
+    """``Conventions.top_mask`` and ``positions`` pick for all rows at once what ``Conventions.top`` picks row by row
+    (under ``topk``, where rows keep unequal counts, what kvpress's CriticalAdaKVPress marks), ties included (scores
+    rounded to a few values, so ties at the cut are common), k from 0 to every entry."""
     from pcs.eviction.conventions import Conventions
     from pcs.eviction.scores import positions
     from pcs.upload import upload
@@ -500,9 +527,12 @@ def test_every_rows_top_at_once_is_each_rows_top(ties):
     g = torch.Generator().manual_seed(3)
     scores = (torch.rand(5, 300, generator=g) * 6).floor()
     scores[1, :40] = float("-inf")
-    for ks in ([0, 1, 7, 150, 300], [64] * 5, [299, 3, 0, 260, 100]):
-        got = positions(conventions.top_mask(scores, upload(ks, scores.device), ks), ks)
-        assert [x.tolist() for x in got] == [conventions.top(row, k).tolist() for row, k in zip(scores, ks)]
+    for ks in ([0, 1, 7, 150, 300], [64] * 5, [299, 3, 0, 260, 100], [0] * 5):
+        got = [x.tolist() for x in positions(conventions.top_mask(scores, upload(ks, scores.device), ks), ks)]
+        if ties == "topk" and len(set(ks)) > 1:
+            assert got == kvpress_heads_top(scores, ks)
+        else:
+            assert got == [conventions.top(row, k).tolist() for row, k in zip(scores, ks)]
 
 
 def test_a_tie_at_the_cut_under_torch_topks_rule_is_scored_in_full(rows_together, monkeypatch):

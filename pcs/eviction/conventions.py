@@ -54,20 +54,23 @@ class Conventions:
         return scores.sort(descending=True, stable=True).indices[:k].sort().values
 
     def top_mask(self, scores: torch.Tensor, ks: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """(rows, m) True at each row's ``top`` ``counts[r]`` entries of (rows, m) ``scores`` (``ks``: the counts
-        on the scores' device). Under ``earlier`` in a few operations for every row at once (a stable order is the
-        same whatever k); under ``topk`` in one call where every row keeps as many entries, as kvpress's presses
-        call it (on a CPU each row's choice is the one it makes alone), else row by row, as torch.topk's choice
-        among ties depends on k."""
+        """(rows, m) True at each row's top ``counts[r]`` entries of (rows, m) ``scores`` (``ks``: the counts on
+        the scores' device), in a few operations for every row at once. Under ``earlier``, by one stable sort (its
+        order is the same whatever k: each row keeps what ``top`` keeps). Under ``topk``, as kvpress's presses call
+        torch.topk: once for every row with the largest count, sorted, each row keeping its first ``counts[r]``
+        (``CriticalAdaKVPress.compress``'s two stages, kvpress 0.5.5 criticalkv_press.py lines 175-178 and 183-186; with
+        equal counts, the one call of the other presses). Among ties torch.topk's choice depends on k, so a row keeping fewer than the
+        largest count may break a tie at its cut otherwise than ``top`` alone would."""
         import torch
         rows, m = scores.shape
-        if self.ties == "topk" and len(set(counts)) == 1:
-            mask = torch.zeros_like(scores, dtype=torch.bool)
-            return mask.scatter_(1, scores.topk(counts[0], dim=-1).indices, True) if counts[0] else mask
         if self.ties == "topk":
-            flat = [row.topk(k).indices + r * m for r, (row, k) in enumerate(zip(scores, counts)) if k > 0]
-            mask = torch.zeros(rows * m, dtype=torch.bool, device=scores.device)
-            return (mask.index_fill_(0, torch.cat(flat), True) if flat else mask).view(rows, m)
+            mask = torch.zeros_like(scores, dtype=torch.bool)
+            if not max(counts):
+                return mask
+            order = scores.topk(max(counts), dim=-1, sorted=True).indices
+            if min(counts) == max(counts):
+                return mask.scatter_(1, order, True)
+            return mask.scatter_(1, order, torch.arange(order.shape[1], device=scores.device) < ks[:, None])
         order = scores.sort(dim=-1, descending=True, stable=True).indices
         ranked = torch.arange(m, device=scores.device) < ks[:, None]
         return torch.zeros_like(order, dtype=torch.bool).scatter_(1, order, ranked)

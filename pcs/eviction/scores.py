@@ -275,24 +275,15 @@ class NormPlan:
         (random weights) it kept no entry."""
         return not self.accelerator
 
-    @property
-    def fused(self) -> bool:
-        """Whether each product's L1 norms are one reduction that reads the product in its own dtype (an
-        accelerator, where the products' memory traffic is what costs) or its absolute values summed in float32
-        (a CPU, whose bits the committed results were computed with)."""
-        return self.accelerator
-
 
 def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.dtype,
               device: torch.device) -> NormPlan:
     """The plan for a layer of ``n`` entries, its values held as ``rows`` rows of (n, d): one row at a time on a
     CPU, every row at once on an accelerator (``batches_rows``); about n / 32 entries per product (a power of
     two, at least 32; at least ``ACCELERATOR_TILE`` on an accelerator; the norms kernel's block of entries where it
-    runs), at most what keeps the (together, tile,
-    group * hidden) product and a float32 copy (which only a CPU's sum makes) within half of the layer's values'
-    bytes (on a CPU, so the
-    temporaries stay within one layer's keys and values) or within ``ACCELERATOR_PRODUCT_BYTES`` (on an
-    accelerator). It follows the layer's shape and device
+    runs), at most what keeps the (together, tile, group * hidden) product, and room for a float32 copy of a
+    narrower one, within half of the layer's values' bytes (on a CPU, so the temporaries stay within one layer's
+    keys and values) or within ``ACCELERATOR_PRODUCT_BYTES`` (on an accelerator). It follows the layer's shape and device
     alone: every method that scores the layer (alone or sharing a prefill, every entry or the bounded stage 2's
     few) computes an entry's norm in the same product, the same bits."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -308,7 +299,7 @@ def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.d
 
 
 def projected_value_norms(values: torch.Tensor, weights: torch.Tensor, group: int, tile: int,
-                          fused: bool = False, kernel: bool = False) -> torch.Tensor:
+                          kernel: bool = False) -> torch.Tensor:
     """``||v_i W^O_h||_1`` for (r, c, d) value rows ``v_i`` of r rows (KV heads, or query heads) and each row's
     ``group`` query heads' slices ``W^O_h`` side by side (``group_weights``, (r, d, group * hidden))
     -> (r, group, c) float32.
@@ -316,8 +307,14 @@ def projected_value_norms(values: torch.Tensor, weights: torch.Tensor, group: in
     The entries go through the product ``tile`` at a time, the last tile padded with zeros: every entry's norm
     comes from the same (r, tile, d) x (r, d, group * hidden) product whichever other entries are scored with
     it, so an entry's score does not depend on the set it is scored in (exhaustive or bounded stage 2), bit for
-    bit. ``fused`` (``NormPlan.fused``): the L1 norm in one reduction, accumulated in float32. ``kernel``
-    (``NormPlan.kernel``): products and norms in ``pcs.kernels.value_norms``'s one kernel instead, no tiles.
+    bit. Each L1 norm is one reduction over the product, upcast to float32 as it is read (no float32 copy of a
+    half-precision product): in float32 on a CPU, the bits of kvpress 0.5.5's ``CriticalKVPress.vwl1norm``
+    (criticalkv_press.py lines 69-71: ``torch.norm(p=1)`` of each query head's product, whose rows came out the
+    same bits here in any batch of 8 entries or more, as every tile of a layer of a few hundred entries is), so
+    that ``profile=kvpress`` keeps what its presses keep where two scores come close (summing the absolute values
+    instead differed from it by up to 1.3e-6 of a norm, and swapped two entries at a cut in 2 of 65 cells of
+    ``make conformance``). ``kernel`` (``NormPlan.kernel``): products and norms in ``pcs.kernels.value_norms``'s
+    one kernel instead, no tiles.
     """
     if kernel:
         return value_norm_kernel.value_norms(values, weights, group)
@@ -329,10 +326,7 @@ def projected_value_norms(values: torch.Tensor, weights: torch.Tensor, group: in
     for start in range(0, n_tiles * tile, tile):
         # One unnamed (r, tile, group * hidden) product at a time: a named one would live on beside the next.
         product = torch.bmm(padded[:, start:start + tile], weights).view(r, tile, group, -1)
-        if fused:       # one pass over the half-precision product, upcast as it is read: no float32 copy
-            norms[:, start:start + tile] = torch.linalg.vector_norm(product, ord=1, dim=-1, dtype=torch.float32)
-        else:           # the absolute value is exact in any dtype; the sum converts to float32 first on a CPU
-            norms[:, start:start + tile] = product.abs_().sum(-1, dtype=torch.float32)
+        norms[:, start:start + tile] = torch.linalg.vector_norm(product, ord=1, dim=-1, dtype=torch.float32)
         del product
     return norms[:, :c].transpose(1, 2)
 
@@ -370,6 +364,6 @@ class SharedScores:
                 heads = torch.arange(r, min(r + together, rows), device=self.values.device) * n_kv // rows
                 return self.values[r:r + together] if rows == n_kv else self.values[heads]
             self._norms[group] = torch.cat([
-                projected_value_norms(values(r), weights[r:r + together], group, plan.tile, plan.fused, plan.kernel)
+                projected_value_norms(values(r), weights[r:r + together], group, plan.tile, plan.kernel)
                 for r in range(0, rows, together)]).flatten(0, 1)
         return self._norms[group]

@@ -247,7 +247,7 @@ class Stage2:
             asked = None if sizes is None or min(sizes) == width else upload(sizes, self.device)
             norms = value_norm_kernel.value_norms(values, weights, self.group, asked)
         elif self.plan.together >= self.rows and (sizes is None or max(sizes) == width):   # one product, no copy
-            norms = projected_value_norms(values, weights, self.group, self.plan.tile, self.plan.fused)
+            norms = projected_value_norms(values, weights, self.group, self.plan.tile)
         else:
             norms = torch.zeros(self.rows, self.group, width, device=self.device)
             for r in range(0, self.rows, self.plan.together):
@@ -255,7 +255,7 @@ class Stage2:
                 n = width if sizes is None else max(sizes[rows])
                 if n:
                     norms[rows, :, :n] = projected_value_norms(values[rows, :n], weights[rows], self.group,
-                                                               self.plan.tile, self.plan.fused)
+                                                               self.plan.tile)
         return self.selection.combine(attention, norms)
 
     def search(self, work: Stage2Work) -> torch.Tensor:
