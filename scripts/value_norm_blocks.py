@@ -74,7 +74,7 @@ def main() -> None:
                          "tflops": round(flop / ms / 1e9, 1), "max_relative_error": error})
             print(json.dumps(rows[-1]), flush=True)
         row({"path": "batched products", "tile": 1024},
-            lambda: projected_value_norms(values, weights, GROUP, 1024, fused=True))
+            lambda: projected_value_norms(values, weights, GROUP, 1024, one_reduction=True))
         for block_m, block_n, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4)):
             current = (kernel.BLOCK_ENTRIES, kernel.BLOCK_OUTPUTS, kernel.NUM_WARPS, kernel.NUM_STAGES)
             config = {"path": "kernel", "block_m": block_m, "block_n": block_n, "warps": warps, "stages": stages,

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pcs.errors import ConfigError
 from pcs.eviction import build_method
 from pcs.eviction.adakv import AdaKV
 from pcs.eviction.base import LayerState
@@ -143,21 +144,37 @@ def kvpress_vwl1norm_per_query_head(values: torch.Tensor, o_proj_weight: torch.T
 
 
 @pytest.mark.parametrize("tile", [32, 100, 512])
-def test_value_norms_are_kvpress_bits_in_float32(tile):
-    """In float32 on this CPU, every tile's norms are the bits kvpress's CriticalKVPress computes over the whole
-    prompt at once (``make conformance`` compares whole selections; this pins the norms themselves)."""
+def test_one_reductions_value_norms_are_kvpress_bits_in_float32(tile):
+    """In float32 on this CPU, every tile's norms taken in one reduction (``l1_norm=torch_norm``, kvpress's profile)
+    are the bits kvpress's CriticalKVPress computes over the whole prompt at once (``make conformance`` compares
+    whole selections; this pins the norms themselves), and the sum of the absolute values is not (the test can
+    fail)."""
     g = torch.Generator().manual_seed(4)
     n_kv, n_q, n, d, hidden = 3, 9, 700, 64, 576        # SmolLM2's layer shapes
     values = torch.randn(n_kv, n, d, generator=g)
     weight = torch.randn(hidden, n_q * d, generator=g) / 8
-    got = projected_value_norms(values, group_weights(weight, n_kv, d), n_q // n_kv, tile).flatten(0, 1)
-    assert torch.equal(got, kvpress_vwl1norm_per_query_head(values, weight))
+    theirs = kvpress_vwl1norm_per_query_head(values, weight)
+    weights = group_weights(weight, n_kv, d)
+    assert torch.equal(projected_value_norms(values, weights, n_q // n_kv, tile, one_reduction=True).flatten(0, 1),
+                       theirs)
+    assert not torch.equal(projected_value_norms(values, weights, n_q // n_kv, tile).flatten(0, 1), theirs)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_value_norms_are_float32_sums_of_the_products_absolute_values(dtype):
-    """Half-precision products' norms are summed in float32 (read as float32, no half-precision sum), to float32's
-    rounding of the float32 sum of their absolute values."""
+def test_the_l1_norm_convention_reaches_the_plan():
+    cpu = torch.device("cpu")
+    assert not norm_plan(3, 4096, 64, 3, 576, torch.float32, cpu).one_reduction
+    assert norm_plan(3, 4096, 64, 3, 576, torch.float32, cpu, "torch_norm").one_reduction
+    from pcs.eviction.conventions import Conventions
+    with pytest.raises(ConfigError, match="l1_norm"):
+        Conventions(l1_norm="pairwise")
+
+
+@pytest.mark.parametrize("one_reduction", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_value_norms_are_float32_sums_of_the_products_absolute_values(dtype, one_reduction):
+    """The norm sums the product's absolute values in float32: by default the bits of converting the product first
+    and summing (those the committed paper-profile results were computed with); in one reduction that upcasts as
+    it reads (an accelerator's, and kvpress's profile on a CPU), to float32's rounding of that sum."""
     g = torch.Generator().manual_seed(4)
     r, c, d, group, hidden, tile = 3, 200, 32, 4, 96, 64
     values = torch.randn(r, c, d, generator=g).to(dtype)
@@ -165,9 +182,12 @@ def test_half_precision_value_norms_are_float32_sums_of_the_products_absolute_va
     padded = torch.cat([values, values.new_zeros(r, 256 - c, d)], 1)
     want = torch.cat([torch.bmm(padded[:, s:s + tile], weights).float().abs().view(r, tile, group, hidden).sum(-1)
                       for s in range(0, 256, tile)], 1)[:, :c].transpose(1, 2)
-    got = projected_value_norms(values, weights, group, tile)
+    got = projected_value_norms(values, weights, group, tile, one_reduction)
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    if one_reduction:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    else:
+        assert torch.equal(got, want)
 
 
 def test_an_entrys_norm_does_not_depend_on_the_rows_scored_with_it():
@@ -176,10 +196,12 @@ def test_an_entrys_norm_does_not_depend_on_the_rows_scored_with_it():
     layer = random_layer(9, n=300, d=16, hidden=96)
     n_kv = layer.values.shape[0]
     weights = group_weights(layer.o_proj_weight, n_kv, 16)
-    every = projected_value_norms(layer.values[:1], weights[:1], 3, 32)
-    some = torch.tensor([299, 3, 150, 151, 7, 64])
-    assert torch.equal(projected_value_norms(layer.values[:1, some], weights[:1], 3, 32), every[..., some])
-    assert torch.equal(projected_value_norms(layer.values, weights, 3, 32)[:1], every)
+    for one_reduction in (False, True):
+        every = projected_value_norms(layer.values[:1], weights[:1], 3, 32, one_reduction)
+        some = torch.tensor([299, 3, 150, 151, 7, 64])
+        assert torch.equal(projected_value_norms(layer.values[:1, some], weights[:1], 3, 32, one_reduction),
+                           every[..., some])
+        assert torch.equal(projected_value_norms(layer.values, weights, 3, 32, one_reduction)[:1], every)
 
 
 def test_top_eigenvalue_bound_is_above_the_eigensolvers_and_close_to_it():
@@ -365,7 +387,8 @@ def test_value_norms_need_no_more_memory_than_one_layers_keys_and_values():
     weights = group_weights(weight, n_kv, d)
     tile = norm_plan(n_kv, m, d, group, hidden, values.dtype, values.device).tile
     for compute in (lambda: projected_value_norms(values[:1], weights[:1], group, tile),
-                    lambda: SharedScores(values, weight).value_norms(group),
+                    lambda: projected_value_norms(values[:1], weights[:1], group, tile, one_reduction=True),
+                    lambda: SharedScores(values, weight).value_norms(group, "abs_sum"),
                     lambda: selection.select(budgets, ws),
                     lambda: selection.select(budgets, ws, exhaustive=True)):
         assert 0 < peak_allocated_bytes(compute) <= layer_kv_bytes

@@ -24,6 +24,7 @@ CHOICES = {
     "pyramid_budgets": ("steps", "kvcache_factory", "kvpress"),
     "ties": ("earlier", "topk"),
     "gqa": ("pool_then_mean", "mean_then_pool", "per_query_head"),
+    "l1_norm": ("abs_sum", "torch_norm"),
 }
 
 
@@ -37,6 +38,11 @@ class Conventions:
     # A KV head's scores: its query heads' pooled scores averaged | averaged, then pooled | none: every query
     # head keeps its own budget of its KV head's entries (official AdaKV's gqa_support=False).
     gqa: str = "pool_then_mean"
+    # How stage 2 sums ``|v W^O_h|`` over the hidden features on a CPU (the scores' last bits, which decide between
+    # entries whose scores come within about 1e-6 of each other): ``abs_sum``, torch's sum of the absolute values
+    # (a cascade, a third of the time) | ``torch_norm``, ``torch.norm(p=1)``'s one sequential reduction (kvpress's
+    # CriticalKVPress.vwl1norm: its bits). Accelerators always take one reduction (``NormPlan.one_reduction``).
+    l1_norm: str = "abs_sum"
 
     def __post_init__(self):
         for key, allowed in CHOICES.items():
@@ -58,9 +64,9 @@ class Conventions:
         the scores' device), in a few operations for every row at once. Under ``earlier``, by one stable sort (its
         order is the same whatever k: each row keeps what ``top`` keeps). Under ``topk``, as kvpress's presses call
         torch.topk: once for every row with the largest count, sorted, each row keeping its first ``counts[r]``
-        (``CriticalAdaKVPress.compress``'s two stages, kvpress 0.5.5 criticalkv_press.py lines 175-178 and 183-186; with
-        equal counts, the one call of the other presses). Among ties torch.topk's choice depends on k, so a row keeping fewer than the
-        largest count may break a tie at its cut otherwise than ``top`` alone would."""
+        (``CriticalAdaKVPress.compress``'s two stages, kvpress 0.5.5 criticalkv_press.py lines 175-178 and
+        183-186; with equal counts, the one call of the other presses). Among ties torch.topk's choice depends on
+        k, so a row keeping fewer than the largest count may break a tie at its cut otherwise than ``top`` would."""
         import torch
         rows, m = scores.shape
         if self.ties == "topk":

@@ -265,6 +265,7 @@ class NormPlan:
     temporaries: int
     accelerator: bool = False
     kernel: bool = False     # the norms from ``pcs.kernels.value_norms`` (VALUE_NORM_KERNEL, where it runs)
+    one_reduction: bool = False   # each L1 norm one reduction (``projected_value_norms``)
 
     @property
     def certifies(self) -> bool:
@@ -277,15 +278,17 @@ class NormPlan:
 
 
 def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.dtype,
-              device: torch.device) -> NormPlan:
+              device: torch.device, l1_norm: str = "abs_sum") -> NormPlan:
     """The plan for a layer of ``n`` entries, its values held as ``rows`` rows of (n, d): one row at a time on a
     CPU, every row at once on an accelerator (``batches_rows``); about n / 32 entries per product (a power of
     two, at least 32; at least ``ACCELERATOR_TILE`` on an accelerator; the norms kernel's block of entries where it
     runs), at most what keeps the (together, tile, group * hidden) product, and room for a float32 copy of a
     narrower one, within half of the layer's values' bytes (on a CPU, so the temporaries stay within one layer's
-    keys and values) or within ``ACCELERATOR_PRODUCT_BYTES`` (on an accelerator). It follows the layer's shape and device
-    alone: every method that scores the layer (alone or sharing a prefill, every entry or the bounded stage 2's
-    few) computes an entry's norm in the same product, the same bits."""
+    keys and values) or within ``ACCELERATOR_PRODUCT_BYTES`` (on an accelerator). Each L1 norm is one reduction on
+    an accelerator, where the products' memory traffic is what costs, and on a CPU under ``l1_norm=torch_norm``
+    (``Conventions.l1_norm``). The plan follows the layer's shape, device and that convention alone: every method
+    that scores the layer under it (alone or sharing a prefill, every entry or the bounded stage 2's few) computes
+    an entry's norm in the same product, the same bits."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     budget = rows * n * d * itemsize // 2
     together, tile = 1, max(32, 1 << max(0, n // 32 - 1).bit_length())
@@ -295,11 +298,11 @@ def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.d
     if kernel:
         tile = value_norm_kernel.BLOCK_ENTRIES
     return NormPlan(together, min(tile, rows_per_chunk(budget, together * group * hidden, dtype)), budget,
-                    batches_rows(device), kernel)
+                    batches_rows(device), kernel, batches_rows(device) or l1_norm == "torch_norm")
 
 
 def projected_value_norms(values: torch.Tensor, weights: torch.Tensor, group: int, tile: int,
-                          kernel: bool = False) -> torch.Tensor:
+                          one_reduction: bool = False, kernel: bool = False) -> torch.Tensor:
     """``||v_i W^O_h||_1`` for (r, c, d) value rows ``v_i`` of r rows (KV heads, or query heads) and each row's
     ``group`` query heads' slices ``W^O_h`` side by side (``group_weights``, (r, d, group * hidden))
     -> (r, group, c) float32.
@@ -307,14 +310,15 @@ def projected_value_norms(values: torch.Tensor, weights: torch.Tensor, group: in
     The entries go through the product ``tile`` at a time, the last tile padded with zeros: every entry's norm
     comes from the same (r, tile, d) x (r, d, group * hidden) product whichever other entries are scored with
     it, so an entry's score does not depend on the set it is scored in (exhaustive or bounded stage 2), bit for
-    bit. Each L1 norm is one reduction over the product, upcast to float32 as it is read (no float32 copy of a
-    half-precision product): in float32 on a CPU, the bits of kvpress 0.5.5's ``CriticalKVPress.vwl1norm``
-    (criticalkv_press.py lines 69-71: ``torch.norm(p=1)`` of each query head's product, whose rows came out the
-    same bits here in any batch of 8 entries or more, as every tile of a layer of a few hundred entries is), so
-    that ``profile=kvpress`` keeps what its presses keep where two scores come close (summing the absolute values
-    instead differed from it by up to 1.3e-6 of a norm, and swapped two entries at a cut in 2 of 65 cells of
-    ``make conformance``). ``kernel`` (``NormPlan.kernel``): products and norms in ``pcs.kernels.value_norms``'s
-    one kernel instead, no tiles.
+    bit. ``one_reduction`` (``NormPlan.one_reduction``): each L1 norm is ``torch.linalg.vector_norm(ord=1)``,
+    which reads the product in its own dtype and upcasts to float32 as it goes (no float32 copy of a
+    half-precision product); in float32 on a CPU it adds in order, the bits of kvpress 0.5.5's
+    ``CriticalKVPress.vwl1norm`` (criticalkv_press.py lines 69-71, ``torch.norm(p=1)`` of each query head's
+    product, whose rows came out the same bits here in any batch of 8 entries or more, as every tile of a layer
+    of a few hundred entries is), in about three times the sum's time. Otherwise the absolute values are summed by
+    ``torch.sum`` in float32 (a cascade: up to 1.3e-6 of a norm from the former, which swapped two entries at a cut
+    in 2 of 65 cells of ``make conformance``). ``kernel`` (``NormPlan.kernel``): products and norms in
+    ``pcs.kernels.value_norms``'s one kernel instead, no tiles.
     """
     if kernel:
         return value_norm_kernel.value_norms(values, weights, group)
@@ -326,7 +330,10 @@ def projected_value_norms(values: torch.Tensor, weights: torch.Tensor, group: in
     for start in range(0, n_tiles * tile, tile):
         # One unnamed (r, tile, group * hidden) product at a time: a named one would live on beside the next.
         product = torch.bmm(padded[:, start:start + tile], weights).view(r, tile, group, -1)
-        norms[:, start:start + tile] = torch.linalg.vector_norm(product, ord=1, dim=-1, dtype=torch.float32)
+        if one_reduction:
+            norms[:, start:start + tile] = torch.linalg.vector_norm(product, ord=1, dim=-1, dtype=torch.float32)
+        else:           # the absolute value is exact in any dtype; the sum converts to float32 first
+            norms[:, start:start + tile] = product.abs_().sum(-1, dtype=torch.float32)
         del product
     return norms[:, :c].transpose(1, 2)
 
@@ -342,7 +349,7 @@ class SharedScores:
     def __init__(self, values: torch.Tensor, o_proj_weight: torch.Tensor):
         self.values, self.o_proj_weight = values, o_proj_weight     # (H_kv, n, d), (hidden, H_q * d)
         self._window_means: dict[int, torch.Tensor] = {}
-        self._norms: dict[int, torch.Tensor] = {}
+        self._norms: dict[tuple[int, str], torch.Tensor] = {}
 
     def window_mean(self, window: int, compute) -> torch.Tensor:
         """(H_q, n - window) mean attention of the last ``window`` queries: ``compute()`` the first time."""
@@ -350,20 +357,22 @@ class SharedScores:
             self._window_means[window] = compute()
         return self._window_means[window]
 
-    def value_norms(self, group: int) -> torch.Tensor:
-        """(H_q, n) float32 ``||v_i W^O_h||_1`` of every entry, query heads scored ``group`` at a time."""
-        if group not in self._norms:
+    def value_norms(self, group: int, l1_norm: str) -> torch.Tensor:
+        """(H_q, n) float32 ``||v_i W^O_h||_1`` of every entry, query heads scored ``group`` at a time, summed as
+        ``l1_norm`` says (``Conventions.l1_norm``)."""
+        if (group, l1_norm) not in self._norms:
             n_kv, n, d = self.values.shape
             hidden, n_q = self.o_proj_weight.shape[0], self.o_proj_weight.shape[1] // d
             rows = n_q // group
-            plan = norm_plan(rows, n, d, group, hidden, self.values.dtype, self.values.device)
+            plan = norm_plan(rows, n, d, group, hidden, self.values.dtype, self.values.device, l1_norm)
             together = plan.together
             weights = group_weights(self.o_proj_weight, rows, d)
 
             def values(r: int) -> torch.Tensor:      # rows r, r + 1, ...: the KV head each row's queries read
                 heads = torch.arange(r, min(r + together, rows), device=self.values.device) * n_kv // rows
                 return self.values[r:r + together] if rows == n_kv else self.values[heads]
-            self._norms[group] = torch.cat([
-                projected_value_norms(values(r), weights[r:r + together], group, plan.tile, plan.kernel)
+            self._norms[group, l1_norm] = torch.cat([
+                projected_value_norms(values(r), weights[r:r + together], group, plan.tile, plan.one_reduction,
+                                      plan.kernel)
                 for r in range(0, rows, together)]).flatten(0, 1)
-        return self._norms[group]
+        return self._norms[group, l1_norm]

@@ -203,10 +203,10 @@ class Stage2:
         # The same for the exhaustive and the bounded path, alone or shared: an entry's exact score is the same
         # bits in all.
         plan = norm_plan(self.rows, self.m + ws.window, self.d, self.group, self.hidden, ws.prefix_values.dtype,
-                         self.device)
+                         self.device, ws.conventions.l1_norm)
         self.plan = plan
         self.shared_norms = None if ws.shared is None else \
-            ws.shared.value_norms(self.group)[:, :self.m].view(self.rows, self.group, self.m)
+            ws.shared.value_norms(self.group, ws.conventions.l1_norm)[:, :self.m].view(self.rows, self.group, self.m)
         self.slack = (1 + torch.finfo(ws.prefix_values.dtype).eps) * (1 + ROUNDING)
         self.k = upload(counts, self.device)                                                        # (rows,)
         self._signs: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -247,7 +247,7 @@ class Stage2:
             asked = None if sizes is None or min(sizes) == width else upload(sizes, self.device)
             norms = value_norm_kernel.value_norms(values, weights, self.group, asked)
         elif self.plan.together >= self.rows and (sizes is None or max(sizes) == width):   # one product, no copy
-            norms = projected_value_norms(values, weights, self.group, self.plan.tile)
+            norms = projected_value_norms(values, weights, self.group, self.plan.tile, self.plan.one_reduction)
         else:
             norms = torch.zeros(self.rows, self.group, width, device=self.device)
             for r in range(0, self.rows, self.plan.together):
@@ -255,7 +255,7 @@ class Stage2:
                 n = width if sizes is None else max(sizes[rows])
                 if n:
                     norms[rows, :, :n] = projected_value_norms(values[rows, :n], weights[rows], self.group,
-                                                               self.plan.tile)
+                                                               self.plan.tile, self.plan.one_reduction)
         return self.selection.combine(attention, norms)
 
     def search(self, work: Stage2Work) -> torch.Tensor:
