@@ -28,6 +28,10 @@
 #   TESTS=0 CONTEXTS=8192 METHODS="snapkv pyramidkv adakv" POOLS= REPEATS=2 DECODE_TOKENS=2 bash scripts/gpu_check.sh
 #   TESTS=0 APPEND=1 CONTEXTS=32768 METHODS="snapkv pyramidkv adakv" POOLS= REPEATS=2 DECODE_TOKENS=2 ANALYSIS=0 ...
 # and the overlap's A/B in the same lease: TESTS=0 APPEND=1 CONTEXTS=8192 METHODS=snapkv PRESETS= BEHIND=0 (then 1) ...
+# On an H200 (2026-11-27, eleventh session): all of tests/test_gpu.py 78 s (71 tests); 8K METHODS=adakv with
+# criticalkv, REPEATS=3, 91 s; 32K METHODS=snapkv with criticalkv, REPEATS=2, 120 s; 32K METHODS="pyramidkv adakv"
+# PRESETS=, REPEATS=2, 113 s; 8K METHODS="snapkv pyramidkv" with criticalkv, REPEATS=2, over 105 s (stopped there
+# after 10 of its 17 rows); the machine's start and the transfers about 30 s.
 # With 2 rounds one outlier round moves a row's median halfway: the report voids such pairs (a median more than 10 %
 # above the row's fastest round; an attention row at 8K once took 0.339 s against 0.249-0.253 s). REPEATS=3 keeps
 # the median off a single outlier, at half as much time again.
