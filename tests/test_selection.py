@@ -169,6 +169,30 @@ def test_the_l1_norm_convention_reaches_the_plan():
         Conventions(l1_norm="pairwise")
 
 
+def test_each_profiles_l1_norm_reaches_stage2_and_the_shared_norms(monkeypatch):
+    """From the composed config to stage 2's plan: kvpress's profile (and so ``preset=criticalkv``) sums in one
+    reduction, the paper's does not; shared norms are computed once per way of summing."""
+    import pcs.eviction.scores as scores_module
+    import pcs.eviction.selection as selection_module
+    asked = []
+
+    def recording_plan(*args, **kwargs):
+        plan = scores_module.norm_plan(*args, **kwargs)
+        asked.append(plan.one_reduction)
+        return plan
+    monkeypatch.setattr(selection_module, "norm_plan", recording_plan)
+    layer = long_layer(1)
+    for overrides, one_reduction in ((["profile=kvpress"], True), (["preset=criticalkv"], True),
+                                     (["profile=paper"], False)):
+        asked.clear()
+        build_method(compose_cfg("method=snapkv", "selection=perturbation", "budget=120", *overrides)).keep(layer)
+        assert asked and set(asked) == {one_reduction}
+    shared = SharedScores(layer.values, layer.o_proj_weight)
+    summed, reduced = shared.value_norms(3, "abs_sum"), shared.value_norms(3, "torch_norm")
+    assert shared.value_norms(3, "torch_norm") is reduced and not torch.equal(summed, reduced)
+    torch.testing.assert_close(summed, reduced, rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("one_reduction", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_value_norms_are_float32_sums_of_the_products_absolute_values(dtype, one_reduction):

@@ -351,7 +351,7 @@ class SharedScores:
     def __init__(self, values: torch.Tensor, o_proj_weight: torch.Tensor):
         self.values, self.o_proj_weight = values, o_proj_weight     # (H_kv, n, d), (hidden, H_q * d)
         self._window_means: dict[int, torch.Tensor] = {}
-        self._norms: dict[tuple[int, str], torch.Tensor] = {}
+        self._norms: dict[tuple[int, bool], torch.Tensor] = {}
 
     def window_mean(self, window: int, compute) -> torch.Tensor:
         """(H_q, n - window) mean attention of the last ``window`` queries: ``compute()`` the first time."""
@@ -361,20 +361,22 @@ class SharedScores:
 
     def value_norms(self, group: int, l1_norm: str) -> torch.Tensor:
         """(H_q, n) float32 ``||v_i W^O_h||_1`` of every entry, query heads scored ``group`` at a time, summed as
-        ``l1_norm`` says (``Conventions.l1_norm``)."""
-        if (group, l1_norm) not in self._norms:
-            n_kv, n, d = self.values.shape
-            hidden, n_q = self.o_proj_weight.shape[0], self.o_proj_weight.shape[1] // d
-            rows = n_q // group
-            plan = norm_plan(rows, n, d, group, hidden, self.values.dtype, self.values.device, l1_norm)
+        ``l1_norm`` says (``Conventions.l1_norm``). Kept per plan, not per convention: on an accelerator both
+        conventions take the same one reduction, and profiles sharing a prefill share its norms."""
+        n_kv, n, d = self.values.shape
+        hidden, n_q = self.o_proj_weight.shape[0], self.o_proj_weight.shape[1] // d
+        rows = n_q // group
+        plan = norm_plan(rows, n, d, group, hidden, self.values.dtype, self.values.device, l1_norm)
+        key = (group, plan.one_reduction)
+        if key not in self._norms:
             together = plan.together
             weights = group_weights(self.o_proj_weight, rows, d)
 
             def values(r: int) -> torch.Tensor:      # rows r, r + 1, ...: the KV head each row's queries read
                 heads = torch.arange(r, min(r + together, rows), device=self.values.device) * n_kv // rows
                 return self.values[r:r + together] if rows == n_kv else self.values[heads]
-            self._norms[group, l1_norm] = torch.cat([
+            self._norms[key] = torch.cat([
                 projected_value_norms(values(r), weights[r:r + together], group, plan.tile, plan.one_reduction,
                                       plan.kernel)
                 for r in range(0, rows, together)]).flatten(0, 1)
-        return self._norms[group, l1_norm]
+        return self._norms[key]
