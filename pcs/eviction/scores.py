@@ -224,8 +224,9 @@ def batches_rows(device: torch.device) -> bool:
 # follows the model and the knobs (the embedded model's real layers under criticalkv's knobs at 1,024: 41-43 %), not
 # the layer's length, so a run judges it from its own bounded layers, at least LOOSE_AFTER_LAYERS of them (a model's
 # first layers can differ from the rest); once it scores every entry it has no new evidence and keeps doing so.
-# Measured with the switch after 4 bounded layers (an H200, 2026-11-27): criticalkv's knobs at 32K 1.049 / 1.043,
-# against 1.043 / 1.045 switching after one on another machine; the paper's knobs bound every layer, as before.
+# A run switches for good (``Stage2Work`` lives with its selection), so in pcs.bench the switch falls in the untimed
+# warm-up prefill: criticalkv's knobs at 32K 1.049 / 1.043 switching after 4 layers (an H200, 2026-11-27), 1.043 /
+# 1.045 after one (another machine), both with every layer of the timed rounds scored whole.
 STAGE2_SEARCH = "auto"
 EXHAUSTIVE_BELOW_ENTRIES = 16384
 LOOSE_BOUNDS_SHARE = 0.5
