@@ -29,8 +29,18 @@ def showing_a_sweep(argv: list[str]) -> bool:
 
 def config_of_a_sweep(argv: list[str]) -> list[str]:
     """Hydra refuses ``-m`` together with ``--cfg``; showing a sweep's config needs no launch, so
-    ``python run.py -m experiment=table1 hydra/launcher=slurm --cfg hydra`` drops the ``-m``."""
-    return [a for a in argv if a not in ("-m", "--multirun")]
+    ``python run.py -m experiment=table1 hydra/launcher=slurm --cfg hydra`` drops the ``-m``, and the
+    command line's swept values (``method=snapkv,adakv``), which only a sweep accepts: the config shown is
+    the one every cell starts from, as for an experiment's ``hydra.sweeper.params``; the jobs that follow
+    name each cell."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    parser = OverridesParser.create()
+
+    def swept(arg: str) -> bool:
+        if arg.startswith("-") or "=" not in arg:
+            return False
+        return parser.parse_override(arg).is_sweep_override()
+    return [a for a in argv if a not in ("-m", "--multirun") and not swept(a)]
 
 
 def jobs_of_a_sweep(argv: list[str]) -> list[str]:

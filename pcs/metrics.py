@@ -23,9 +23,6 @@ import sys
 import warnings
 from collections import Counter
 
-import numpy as np
-from rouge import Rouge
-
 
 @functools.cache
 def _jieba():
@@ -104,6 +101,7 @@ def official_headroom() -> int:
 def rouge_l(prediction: str, reference: str, official_frames_above: int = 0, **_) -> float:
     """ROUGE-L F of the ``rouge`` package, with the recursion headroom the official ``rouge_score`` has
     when ``official_frames_above`` more official frames sit between it and ``scorer``."""
+    from rouge import Rouge     # here, not at the top: a config check imports this module and scores nothing
     old_limit = sys.getrecursionlimit()
     sys.setrecursionlimit(old_limit - _recursion_headroom() + official_headroom() - official_frames_above)
     try:
@@ -225,6 +223,7 @@ def longbench_e_scores(task: str, predictions: list[str], answers: list[list[str
 
     ``eval.py`` rounds the numpy float64 ``100 * np.mean(scores)``, and numpy's rounding (scale, rint,
     unscale) can differ from Python's correctly rounded ``round`` in the last digit, so it is kept."""
+    import numpy as np
     buckets: dict[str, list[float]] = {b: [] for b in LENGTH_BUCKETS}
     for prediction, references, length in zip(predictions, answers, lengths, strict=True):
         buckets[length_bucket(length)].append(sample_score(task, prediction, references, all_classes, fuzzy_backend))

@@ -67,6 +67,19 @@ def test_show_a_sweeps_launcher_config_from_the_command_line(tmp_path):
     assert jobs.count("  job ") == 2 and jobs.count("longbench/llama31/") == 9 and jobs.count("/full\n") == 2
 
 
+def test_show_a_command_line_sweeps_config_and_its_cells(tmp_path):
+    """Values swept on the command line (which Hydra accepts only in a sweep) are left out of the config shown,
+    as an experiment's sweeper params are, and each cell appears among the jobs."""
+    proc = subprocess.run([sys.executable, "run.py", "-m", "method=snapkv,adakv", "budget=64,128", "model=llama31",
+                           f"hydra.sweep.dir={tmp_path}", "--cfg", "job"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    config, jobs = proc.stdout.split("[pcs] ")
+    shown = OmegaConf.create(config)
+    assert shown.model.name == "llama31" and shown.method.name == hydra_cfg().method.name
+    assert jobs.startswith("4 sweep cells, 4 runs")
+    assert all(f"/{m}_perturbation_b{b}\n" in jobs for m in ("snapkv", "adakv") for b in (64, 128)), jobs
+
+
 @pytest.mark.slow
 def test_smoke_multirun_as_one_submitit_job(embedded_dir, tmp_path):
     proc = subprocess.run([sys.executable, "run.py", "-m", "experiment=smoke", "hydra/launcher=local_jobs",
