@@ -1,5 +1,6 @@
-"""``python -m pcs.status <results_dir>``: every run under a results folder, how far it is, and what its jobs are
-doing. Torch-free: it reads the run folders only (``pcs.run_folder``).
+"""``python -m pcs.status [RESULTS_DIR]``: every run under a results folder, how far it is, its score once
+finished, and what its jobs are doing; then a summary (runs finished, running, failed; samples done). Torch-free:
+it reads the run folders only (``pcs.run_folder``).
 
 Per run: samples done of its total (its own rows and every shard's, counted once), finished or not, the jobs
 working in it now (the run's own, or ``shard k/N``; a job whose process is gone, on this host, or whose SLURM job
@@ -59,23 +60,55 @@ def runs(results_dir: Path) -> list[Path]:
     return sorted(p.parent for p in results_dir.rglob("config.yaml") if SHARDS not in p.parts)
 
 
+def state_of(status: dict) -> str:
+    """finished, running, failed (a job's error), interrupted (stopped from outside), or not finished."""
+    if status["finished"]:
+        return "finished"
+    if any("running" in job for job in status["jobs"]):
+        return "running"
+    failed = [e for e in status["errors"] if not e.split(": ", 1)[1].startswith(INTERRUPTED)]
+    return "failed" if failed else INTERRUPTED if status["errors"] else "not finished"
+
+
+def outcome(run_dir: Path) -> str:
+    """A finished run's score and the share of the full cache it kept ("not scored" before AlpacaEval's judge)."""
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    score = "not scored" if metrics.get("score") is None else f"score {metrics['score']:.2f}"
+    full = metrics.get("kv_cache_bytes_full")
+    kept = f", KV {100 * metrics['kv_cache_bytes'] / full:.1f} %" if full else ""
+    return score + kept
+
+
+def summary(states: list[str], done: int, total: int | None) -> str:
+    counts = {state: states.count(state) for state in dict.fromkeys(states)}
+    order = ["finished", "running", "failed", INTERRUPTED, "not finished"]
+    parts = [f"{counts[state]} {state}" for state in order if state in counts]
+    samples = f"{done} samples done" + ("" if total is None else f" of {total}")
+    return f"{len(states)} runs: " + ", ".join(parts) + f"; {samples}"
+
+
 def report(results_dir: Path) -> str:
-    lines = []
+    lines, states, done, total = [], [], 0, 0
     for run_dir in runs(results_dir):
         status = run_status(run_dir)
-        total = "?" if status["total"] is None else status["total"]
-        failed = [e for e in status["errors"] if not e.split(": ", 1)[1].startswith(INTERRUPTED)]
-        state = "finished" if status["finished"] else ("running" if any("running" in j for j in status["jobs"])
-                                                        else "failed" if failed else
-                                                        INTERRUPTED if status["errors"] else "not finished")
-        lines.append(f"{run_dir.relative_to(results_dir)}  {status['done']}/{total}  {state}")
+        state = state_of(status)
+        states.append(state)
+        done += status["done"]
+        total = None if total is None or status["total"] is None else total + status["total"]
+        of = "?" if status["total"] is None else status["total"]
+        result = f"  {outcome(run_dir)}" if status["finished"] else ""
+        lines.append(f"{run_dir.relative_to(results_dir)}  {status['done']}/{of}  {state}{result}")
         lines += [f"    {job}" for job in status["jobs"]] + [f"    last error, {error}" for error in status["errors"]]
-    return "\n".join(lines) if lines else f"no runs under {results_dir}"
+    if not lines:
+        return f"no runs under {results_dir}"
+    return "\n".join(lines + ["", summary(states, done, total)])
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pcs.status", description=__doc__.splitlines()[0])
-    parser.add_argument("results_dir", nargs="?", default="results")
+    parser = argparse.ArgumentParser(prog="python -m pcs.status", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results_dir", nargs="?", default="results",
+                        help="the folder of run folders to read, at any depth (default: results)")
     args = parser.parse_args(argv)
     print(report(Path(args.results_dir)))
     return 0

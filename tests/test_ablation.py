@@ -395,7 +395,7 @@ def test_adakv_is_snapkv_when_a_layer_has_one_kv_head(reading):
 
 
 def test_a_rerun_agrees_where_the_difference_of_two_independent_estimates_may_be_zero(tmp_path):
-    """scripts/compare_rerun.py on a hand-made ablation.csv: one effect the rerun reproduces (difference 2 within
+    """python -m pcs.report.rerun on a hand-made ablation.csv: one effect the rerun reproduces (difference 2 within
     +-sqrt(3^2 + 4^2) = 5), one it does not (difference 12), the per-length rows and unmatched readings ignored."""
     import subprocess
     import sys
@@ -413,8 +413,8 @@ def test_a_rerun_agrees_where_the_difference_of_two_independent_estimates_may_be
             row("s42", "perturbation_epsilon=0.0001", "w/o", 5.0, 1.0)]
     path = tmp_path / "ablation.csv"
     pd.DataFrame(rows).to_csv(path, index=False)
-    done = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "scripts" / "compare_rerun.py"), str(path),
-                           "--ablation", "s42", "--rerun", "s43"], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "pcs.report.rerun", str(path), "--ablation", "s42", "--rerun", "s43"],
+                          capture_output=True, text=True)
     assert done.returncode == 1, done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("| snapkv")]
     assert len(lines) == 2
@@ -427,10 +427,7 @@ def test_a_rerun_agrees_where_the_difference_of_two_independent_estimates_may_be
 def test_holms_correction_rejects_step_down_and_stops_at_the_first_it_keeps():
     """Transcribed from Holm (1979): sorted p-values against alpha / (m - rank), rejecting until the first that
     passes its threshold; a single test is rejected at alpha itself."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("compare_rerun", Path(__file__).parents[1] / "scripts" / "compare_rerun.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from pcs.report import rerun as module
     # m = 4: thresholds 0.0125, 0.0167, 0.025, 0.05; 0.03 fails its 0.025, so 0.04 is kept although below 0.05
     assert module.holm([0.04, 0.01, 0.03, 0.015]) == [False, True, False, True]
     assert module.holm([0.049]) == [True] and module.holm([0.051]) == [False]
@@ -461,18 +458,14 @@ def test_a_grown_ablation_is_its_ablations_runs_on_more_samples(grown, ablation)
 
 
 def test_interim_ablation_pairs_the_first_samples_every_run_holds(tmp_path, capsys):
-    """scripts/interim_ablation.py on three partial runs of one RULER group (attention, the paper reading, alpha
+    """python -m pcs.report.interim on three partial runs of one RULER group (attention, the paper reading, alpha
     0.5): per stratum only the first samples every run answered count (a hole in one run ends its stratum's
     prefix there), the paired difference is the mean over strata of the per-stratum mean differences on those
     samples, and the projected count follows the widest half-width as one over the square root of the samples."""
-    import importlib.util
     import math
     import re
     import numpy as np
-    spec = importlib.util.spec_from_file_location(
-        "interim_ablation", Path(__file__).parents[1] / "scripts" / "interim_ablation.py")
-    interim = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(interim)
+    from pcs.report import interim
     rng = np.random.default_rng(4)
     strata = ("niah_single_2_4096", "niah_single_2_8192")
     held = {("selection=attention",): {strata[0]: range(40), strata[1]: range(40)},

@@ -237,3 +237,33 @@ def test_two_shards_finishing_at_once_leave_the_run_merged(tmp_path):
     got_b = merged(types.SimpleNamespace(run_dir=run_dir, rows=[]), samples, (1, 2), lambda cell: len(cell.rows))
     a.join(30)
     assert results.get(timeout=5) == ("A", None) and got_b == 4
+
+
+def test_status_shows_each_finished_runs_score_and_ends_with_a_summary(tmp_path):
+    """Three hand-made run folders: one finished (its score and the KV share it kept printed on its line), one
+    part way with a job's error (failed), one part way with no job (not finished); the last line counts them and
+    the samples done of their totals."""
+    from pcs.run_folder import write_json_atomic, write_rows_atomic
+    from pcs.status import report
+
+    def make(cells, done, total, metrics=None, error=None):
+        cfg = needle("unused", tmp_path, *cells)
+        path = folder(cfg)
+        path.mkdir(parents=True)
+        (path / "config.yaml").write_text(RunIdentity(cfg).saved_config)
+        write_json_atomic(path / "samples.json", {"samples": total})
+        write_rows_atomic(path / "predictions.jsonl", [{"id": str(i), "score": 50.0} for i in range(done)])
+        if metrics:
+            write_json_atomic(path / "metrics.json", metrics)
+        if error:
+            (path / "error.txt").write_text(error)
+        return RunIdentity(cfg).folder
+
+    finished = make(("method=snapkv",), 9, 9, {"score": 61.25, "n_samples": 9, "kv_cache_bytes": 25,
+                                               "kv_cache_bytes_full": 100})
+    failed = make(("method=adakv",), 4, 9, error="MemoryError: no room")
+    stopped = make(("method=pyramidkv",), 2, 9)
+    lines = report(tmp_path).splitlines()
+    assert f"{finished}  9/9  finished  score 61.25, KV 25.0 %" in lines
+    assert f"{failed}  4/9  failed" in lines and f"{stopped}  2/9  not finished" in lines
+    assert lines[-1] == "3 runs: 1 finished, 1 failed, 1 not finished; 15 samples done of 27"

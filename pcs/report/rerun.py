@@ -2,7 +2,7 @@
 rerun's setting in ``ablation.csv`` (``python -m pcs.report``), the same effect (method, budget, conventions,
 reading, baseline) in the ablation's setting, on the mean over tasks.
 
-    python scripts/compare_rerun.py results/embedded/report/ablation.csv \\
+    python -m pcs.report.rerun results/embedded/report/ablation.csv \\
         --ablation lengths=2048_tasks=niah_single_1+niah_single_2 \\
         --rerun lengths=2048_n_samples=100_seed=43_tasks=niah_single_1+niah_single_2
 
@@ -20,13 +20,12 @@ import argparse
 import math
 import sys
 
-import pandas as pd
 
 KEY = ["model", "method", "budget", "conventions", "selection", "knobs", "against"]
 Z95 = 1.959964          # the normal quantile of a 95 % two-sided interval
 
 
-def compare(effects: pd.DataFrame, ablation: str, rerun: str) -> pd.DataFrame:
+def compare(effects, ablation: str, rerun: str):
     mean = effects[effects["domain"] == "average"].fillna({"conventions": "", "knobs": ""})
     a, r = mean[mean["setting"] == ablation], mean[mean["setting"] == rerun]
     if r.empty or a.empty:
@@ -60,7 +59,7 @@ def holm(p_values: list[float], alpha: float = 0.05) -> list[bool]:
     return rejected
 
 
-def markdown(both: pd.DataFrame) -> str:
+def markdown(both) -> str:
     lines = ["| method | budget | reading | against | ablation (n) | rerun (n) | difference | agrees | rerun inside | "
              "p | differs (Holm) |", "|---|---:|---|---|---|---|---|---|---|---:|---|"]
     for _, row in both.iterrows():
@@ -77,11 +76,13 @@ def markdown(both: pd.DataFrame) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("ablation_csv")
+    parser = argparse.ArgumentParser(prog="python -m pcs.report.rerun", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("ablation_csv", help="the report's ablation.csv holding both settings' effects")
     parser.add_argument("--ablation", required=True, help="the ablation's setting (ablation.csv's column)")
     parser.add_argument("--rerun", required=True, help="the rerun's setting")
     args = parser.parse_args(argv)
+    import pandas as pd            # loaded once the arguments are read, so --help answers at once
     both = compare(pd.read_csv(args.ablation_csv), args.ablation, args.rerun)
     print(markdown(both))
     print(f"\n{int(both['agrees'].sum())} of {len(both)} effects agree one by one; "

@@ -1,7 +1,7 @@
 """Where a knob ablation stands while its runs are still going: each reading against attention-only selection and
 the paper reading under the same conventions, on the samples every run of its group has answered so far.
 
-    .venv/bin/python scripts/interim_ablation.py results/embedded/ruler/gemma3_270m --setting query_aware=False
+    python -m pcs.report.interim results/embedded/ruler/gemma3_270m --setting query_aware=False
 
 The report (``python -m pcs.report``) compares finished runs only. This takes every run folder under the given
 folders, finished or not, groups them as the report does (``pcs.report.ablation.readings``), keeps the samples
@@ -21,11 +21,6 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pcs.report.ablation import ATTENTION, mean_domains, readings           # noqa: E402
-from pcs.report.significance import paired, paired_bootstrap, scores_frame  # noqa: E402
-from pcs.run_folder import all_rows                                         # noqa: E402
-
 
 def prefixes(frames: dict) -> set[str]:
     """The ids of each stratum's first samples (``<stratum>_<index>``, index 0, 1, ...) that every frame holds."""
@@ -40,12 +35,17 @@ def prefixes(frames: dict) -> set[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("folders", type=Path, nargs="+", help="folders holding run folders")
+    parser = argparse.ArgumentParser(prog="python -m pcs.report.interim", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folders", type=Path, nargs="+", help="folders holding run folders (finished or not)")
     parser.add_argument("--setting", default="", help="only groups whose setting contains this text")
-    parser.add_argument("--resamples", type=int, default=10_000)
-    parser.add_argument("--target", type=float, default=3.0, help="half-width to project the samples for")
+    parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples (default 10000)")
+    parser.add_argument("--target", type=float, default=3.0, help="the half-width, in points, to project the samples needed for (default 3)")
     args = parser.parse_args(argv)
+    # pandas and the bootstrap load only once the arguments are read, so --help answers at once
+    from .ablation import ATTENTION, mean_domains, readings
+    from .significance import paired, paired_bootstrap, scores_frame
+    from ..run_folder import all_rows
     run_dirs = sorted(p.parent for folder in args.folders for p in folder.glob("*/config.yaml")
                       if (p.parent / "predictions.jsonl").exists())
     for group, members in sorted(readings(run_dirs).items(), key=lambda kv: str(kv[0])):
