@@ -231,3 +231,22 @@ def test_figures_name_a_setting_by_its_knobs_never_breaking_one(tmp_path):
     assert len(lines) > 1 and " ".join(lines) == ", ".join(knobs)
     assert all(piece in knobs for line in lines for piece in line.rstrip(",").split(", "))   # whole knobs only
 
+
+
+def test_a_cell_run_in_two_folders_is_reported_once_and_the_report_says_which(results, tmp_path):
+    """A run of the default beside a copy of the results in a folder of their own (``make run`` next to the
+    committed reference runs): the report uses one run per cell (the one that finished last at equal samples),
+    counts it once in every table, and names the one it left out."""
+    import shutil
+    mine = results / "embedded"
+    for run in ("needle/smollm2/full", "needle/smollm2/snapkv_attention_b64", "needle/smollm2/snapkv_perturbation_b64"):
+        shutil.copytree(results / run, mine / run)
+    newer = mine / "needle/smollm2/snapkv_perturbation_b64"
+    (newer / "metrics.json").write_text(json.dumps({**needle_metrics(80.0), "n_samples": 1,
+                                                    "ended_at": "2030-01-01T00:00:00"}))
+    out = tmp_path / "report"
+    assert main(["--results", str(results), "--out", str(out), "--resamples", "50"]) == 0
+    assert "| Average | 90.00 | 50.00 | **80.00** |" in (out / "tables" / "needle_snapkv.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "| embedded/needle/smollm2/snapkv_perturbation_b64 | needle/smollm2/snapkv_perturbation_b64 |" in report
+    assert "| embedded/needle/smollm2/full | needle/smollm2/full |" in report   # equal: the first in path order

@@ -27,7 +27,7 @@ from ..plots.needle_heads import needle_heads_figure
 from ..plots.ruler import ruler_figure
 from ..plots.savings import savings_plot
 from .ablation import blocks as ablation_blocks, knob_effects, markdown as ablation_markdown
-from .collect import collect, paper_tables, run_folders
+from .collect import collect, paper_tables, run_folders, same_cells
 from . import needle_heads
 from .ruler import length_deltas, plain, score_intervals
 from .savings import savings
@@ -196,6 +196,19 @@ def savings_section(df, out: Path, with_intervals: bool, resamples: int, seed: i
     return lines + ["", "![savings](savings.png)", ""]
 
 
+def duplicates_section(results: Path) -> list[str]:
+    """Which run the report used where a cell was run in more than one folder."""
+    found = same_cells(results)
+    if not found:
+        return []
+    lines = ["## Cells run in more than one folder", "",
+             "The report uses one run per cell: the one with the most samples, then the one that finished last.", "",
+             "| used | left out |", "|---|---|"]
+    for used, others in found:
+        lines.append(f"| {used.relative_to(results)} | {', '.join(str(o.relative_to(results)) for o in others)} |")
+    return lines + [""]
+
+
 def build(results: Path, out: Path, with_paper: bool = False, resamples: int = RESAMPLES, seed: int = SEED) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"# Report: {results}", ""]
@@ -227,6 +240,8 @@ def build(results: Path, out: Path, with_paper: bool = False, resamples: int = R
         lines += perturbation_section(results, out)
     if len(lines) == 2:
         raise FileNotFoundError(f"nothing to report under {results}")
+    if results.is_dir():
+        lines += duplicates_section(results)
     index = out / "report.md"
     index.write_text("\n".join(lines) + "\n")
     return index
@@ -243,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.results.exists():
         parser.error(f"--results {args.results} does not exist")
     print(f"[pcs] report: {build(args.results, args.out, args.paper, args.resamples, args.seed)}")
+    if args.results.is_dir():
+        for used, others in same_cells(args.results):
+            print(f"[pcs] {used.relative_to(args.results)} is also in "
+                  f"{', '.join(str(o.relative_to(args.results)) for o in others)}: the report uses the first")
     return 0
 
 

@@ -71,14 +71,39 @@ def run_rows(run_dir: Path) -> list[dict]:
 
 
 def run_folders(path: Path, benchmark: str | None = None) -> list[Path]:
-    """Finished run folders under ``path`` (optionally of one benchmark)."""
+    """Finished run folders under ``path`` (optionally of one benchmark), one per cell (``same_cells``)."""
     found = []
-    for metrics in sorted(Path(path).rglob("metrics.json")):
-        folder = metrics.parent
-        if (folder / "config.yaml").exists():
-            if benchmark is None or saved_config(folder).benchmark.name == benchmark:
-                found.append(folder)
+    for folder in finished_folders(Path(path)):
+        if benchmark is None or saved_config(folder).benchmark.name == benchmark:
+            found.append(folder)
     return found
+
+
+def finished_folders(path: Path) -> list[Path]:
+    every = [m.parent for m in sorted(path.rglob("metrics.json")) if (m.parent / "config.yaml").exists()]
+    left_out = {folder for _, others in same_cells(path) for folder in others}
+    return [folder for folder in every if folder not in left_out]
+
+
+def same_cells(path: Path) -> list[tuple[Path, list[Path]]]:
+    """Finished runs of one cell found in more than one folder under ``path`` (a run of the default beside the
+    committed reference runs, say): per cell, the run the report uses and those it leaves out. It uses the run
+    with the most samples, the one that finished last among those, so a comparison never counts a cell twice."""
+    cells: dict[str, list[Path]] = {}
+    for metrics in sorted(Path(path).rglob("metrics.json")):
+        if (metrics.parent / "config.yaml").exists():
+            cells.setdefault(RunIdentity(saved_config(metrics.parent)).folder, []).append(metrics.parent)
+
+    def preference(folder: Path):
+        metrics = json.loads((folder / "metrics.json").read_text())
+        return metrics.get("n_samples", 0), metrics.get("ended_at") or ""
+
+    chosen = []
+    for folders in cells.values():
+        if len(folders) > 1:
+            best = max(folders, key=preference)
+            chosen.append((best, [f for f in folders if f != best]))
+    return chosen
 
 
 def collect(path) -> pd.DataFrame:
