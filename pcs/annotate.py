@@ -8,7 +8,6 @@ The result is merged into the run's ``metrics.json`` (see ``pcs.benchmarks.alpac
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -21,18 +20,21 @@ from .benchmarks.alpacaeval_judge import annotate_run
 from .config import group_file
 from .identity import RunIdentity
 from .run_folder import load_config, read_rows, write_json_atomic
+from .cli import command
 
 DEFAULT_JUDGE = "deepseek-chat"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pcs.annotate", description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", type=Path)
+    parser = command("pcs.annotate", __doc__)
+    parser.add_argument("run_dir", type=Path, help="a finished AlpacaEval run folder")
     parser.add_argument("--judge", default=DEFAULT_JUDGE, help="an option of pcs/conf/benchmark/judge/ (default: %(default)s)")
-    parser.add_argument("--base-url")
+    parser.add_argument("--base-url", help="an OpenAI-compatible endpoint to judge with instead of the judge's own")
     parser.add_argument("--model", help="the judge model's name at the endpoint")
     parser.add_argument("--api-key-env", help="environment variable holding the key")
-    parser.add_argument("--reference-file", type=Path)
+    parser.add_argument("--reference-file", type=Path,
+                        help="a JSON list of {instruction, output, generator} to judge against (default: AlpacaEval "
+                             "2.0's GPT-4 Turbo outputs)")
     args = parser.parse_args(argv)
     cfg = load_config(args.run_dir)
     bench = cfg.benchmark   # config.yaml holds no judging settings: they come from here

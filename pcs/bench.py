@@ -19,7 +19,6 @@ decoding step limited by memory traffic would get from the smaller cache.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import json
@@ -37,11 +36,12 @@ from .compression import CompressionStats
 from .config import compose, uses
 from .engine import Cell, DecodePool, clock, prefill
 from .eviction import build_method, scores
-from .eviction.selection import Stage2Work
+from .eviction.stage2_search import Stage2Work
 from .hybrid import head_dim
 from .kernels import value_norms as value_norm_kernel
 from .generate import greedy_generate
 from .models import load_model, prepare
+from .options import EngineOptions, defaults
 from .paths import read_jsonl
 
 LLAMA31_SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -258,25 +258,26 @@ class CompressionClock:
             self.seconds += sum(start.elapsed_time(end) for start, end in self.spans) / 1000
 
 
-def measure_once(model, method, ids, decode_tokens: int) -> dict:
+def measure_once(model, method, ids, decode_tokens: int, options: EngineOptions) -> dict:
     device = next(model.parameters()).device
     with PeakMemory(device) as mem, CompressionClock(method, device) as clock:
-        gen = greedy_generate(model, ids, method, decode_tokens, set())
-    return {"prefill_s": gen.prefill_s, "compress_s": clock.seconds, "decode_ms_per_token": 1000 * gen.decode_s / max(1, len(gen.token_ids) - 1),
+        gen = greedy_generate(model, ids, method, decode_tokens, set(), options=options)
+    return {"stage2": gen.stage2, "prefill_s": gen.prefill_s, "compress_s": clock.seconds, "decode_ms_per_token": 1000 * gen.decode_s / max(1, len(gen.token_ids) - 1),
             "kv_bytes": gen.kv_cache_bytes, "kv_bytes_full": gen.kv_cache_bytes_full, "peak_mem_bytes": mem.extra,
             "peak_mem_total_bytes": mem.peak if device.type == "cuda" else None}
 
 
-def measure_pools(model, method, ids, sizes: list[int], decode_tokens: int, graphs: bool) -> dict:
+def measure_pools(model, method, ids, sizes: list[int], decode_tokens: int, graphs: bool,
+                  options: EngineOptions) -> dict:
     """Decoding with pools of ``sizes`` sequences, each a copy of one compressed prompt (one prefill for all):
     per size, milliseconds per step (one forward for the whole pool) and tokens per second. A warm-up of 3
     tokens per size first (on CUDA it captures the step's graph). A size whose buffers would not fit in the
     device's free memory is recorded as such (``fits``: the sequences that would)."""
     device = next(model.parameters()).device
-    (seq,) = prefill(model, ids, [Cell(method)], decode_tokens, set())
+    (seq,) = prefill(model, ids, [Cell(method)], decode_tokens, set(), options=options)
     out = {}
     for size in sizes:
-        pool = DecodePool(model, size, graphs)
+        pool = DecodePool(model, size, graphs, options)
         for max_new in (3, decode_tokens):
             for _ in range(size):
                 copied = dataclasses.replace(seq, cache=copy.deepcopy(seq.cache), logits=seq.logits.clone(),
@@ -348,13 +349,16 @@ def build_configurations(args) -> list[tuple[Configuration, object]]:
     return [(c, build_method(composed(**c.overrides()))) for c in configurations(args)]
 
 
-def stage2_work(method) -> dict:
-    """What a two-stage selection's stage 2 computed over the bench's runs: the share of its entries whose exact
-    norm it computed (1.0: exhaustive), the share in layers whose search scored every entry, and the share of heads
-    whose first candidates did not verify."""
+def stage2_work(method, samples: list[dict]) -> dict:
+    """What a two-stage selection's stage 2 computed over the bench's timed prompts: the share of its entries whose
+    exact norm it computed (1.0: exhaustive), the share in layers whose search scored every entry, and the share of
+    heads whose first candidates did not verify."""
     if not method.two_stage:
         return {}
-    work = method.selection.work
+    work = Stage2Work()
+    for sample in samples:
+        for name, value in dataclasses.asdict(sample["stage2"]).items():
+            setattr(work, name, getattr(work, name) + value)
     return {"stage2_exact_share": work.exact_share, "stage2_gram_share": work.gram_share,
             "stage2_certified_share": work.certified_share, "stage2_every_entry_share": work.every_entry_share,
             "stage2_widened_share": work.widened / max(1, work.heads),
@@ -394,55 +398,40 @@ def analysis(args) -> list[dict]:
     return rows
 
 
+def engine_options(args) -> EngineOptions:
+    """The engine's defaults, changed where the bench's flags say (--layers-behind, --value-norm-kernel,
+    --stage2-search)."""
+    changes = {"layers_behind": args.layers_behind, "stage2_value_norm_kernel": args.value_norm_kernel,
+               "stage2_search": args.stage2_search}
+    return defaults().with_(**{k: v for k, v in changes.items() if v is not None})
+
+
 def run(args) -> list[dict]:
     """Per context: a warm-up of every configuration, then ``repeats`` rounds that each measure every
     configuration once, so that slow drift of the machine falls on all configurations alike. Each row is printed
     as soon as its last round is measured, so a run stopped at a time limit keeps the rows before it."""
-    with engine_switches(args):
-        return measure(args)
-
-
-@contextlib.contextmanager
-def engine_switches(args):
-    """The engine's switches that the bench's flags set (--layers-behind, --value-norm-kernel, --stage2-search), for
-    one run: restored after it."""
-    saved = compression.LAYERS_BEHIND_ON_CUDA, scores.VALUE_NORM_KERNEL, scores.STAGE2_SEARCH
-    if args.layers_behind is not None:
-        compression.LAYERS_BEHIND_ON_CUDA = args.layers_behind
-    if args.value_norm_kernel is not None:
-        scores.VALUE_NORM_KERNEL = args.value_norm_kernel
-    if args.stage2_search is not None:
-        scores.STAGE2_SEARCH = args.stage2_search
-    try:
-        yield
-    finally:
-        compression.LAYERS_BEHIND_ON_CUDA, scores.VALUE_NORM_KERNEL, scores.STAGE2_SEARCH = saved
-
-
-def measure(args) -> list[dict]:
-    """``run``'s rows, under the switches it set."""
+    options = engine_options(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    behind = compression.layers_behind(torch.device(device))
+    behind = compression.layers_behind(torch.device(device), options)
     model = build_model(args.model, args.layers, device, args.model_path)
-    kernel = scores.VALUE_NORM_KERNEL and value_norm_kernel.available(torch.device(device), head_dim(model.config))
+    kernel = options.stage2.value_norm_kernel and value_norm_kernel.available(torch.device(device),
+                                                                              head_dim(model.config))
     weights = weight_bytes(model)
     built = build_configurations(args)
     rows = []
     for context in args.contexts:
         ids = random_prompt(model, context)
-        search = scores.stage2_search(context, torch.device(device))
+        search = scores.stage2_search(context, torch.device(device), options.stage2)
         for _, method in built:
-            if method.two_stage:       # each context's stage-2 work, and auto's evidence, on its own
-                method.selection.work = Stage2Work()
-            greedy_generate(model, ids, method, 2, set())
+            greedy_generate(model, ids, method, 2, set(), options=options)
         samples = [[] for _ in built]
         for _ in range(args.repeats - 1):
             for i, (_, method) in enumerate(built):
-                samples[i].append(measure_once(model, method, ids, args.decode_tokens))
+                samples[i].append(measure_once(model, method, ids, args.decode_tokens, options))
         base = None
         for (config, method), runs in zip(built, samples):
-            runs.append(measure_once(model, method, ids, args.decode_tokens))     # the last round
-            result = summarize(runs) | stage2_work(method)
+            runs.append(measure_once(model, method, ids, args.decode_tokens, options))     # the last round
+            result = summarize(runs) | stage2_work(method, runs)
             with CompressionOps(method) as ops:   # its prefill's compression: ops per layer, at up to CALLS_CONTEXT
                 result["attention_calls_per_token"] = attention_calls_per_token(model, method, ids[:, :CALLS_CONTEXT])
             result["compress_ops_per_layer"] = ops.per_layer
@@ -452,7 +441,8 @@ def measure(args) -> list[dict]:
                 result["compress_share"] = profile_prefill(model, method, ids, Path(args.profile) / name)
             if args.pools:
                 graphs = device == "cuda" and not args.eager
-                result["pools"] = measure_pools(model, method, ids.to(device), args.pools, args.decode_tokens, graphs)
+                result["pools"] = measure_pools(model, method, ids.to(device), args.pools, args.decode_tokens, graphs,
+                                                options)
                 result["cuda_graphs"] = graphs
             base = base or result
             row = {"model": args.model, "device": device, "device_name": device_name(device),
@@ -757,19 +747,19 @@ def parse(argv=None):
                         "sequences (copies of the prompt's compressed cache): ms per step and tokens per second")
     parser.add_argument("--eager", action="store_true", help="on CUDA, pools decode without CUDA graphs")
     parser.add_argument("--layers-behind", type=int, help="on CUDA, how many layers behind the forward each layer is "
-                        "compressed, on a stream of its own (default: pcs.compression.LAYERS_BEHIND_ON_CUDA; 0: right "
-                        "after its own forward, on the forward's stream)")
+                        "compressed, on a stream of its own (0: right after its own forward, on the forward's stream; "
+                        "default: engine.layers_behind in pcs/conf/config.yaml)")
     parser.add_argument("--value-norm-kernel", action=argparse.BooleanOptionalAction, help="on CUDA, stage 2's "
                         "exact norms from pcs.kernels.value_norms's one kernel, or (--no-value-norm-kernel) from "
-                        "batched products (default: pcs.eviction.scores.VALUE_NORM_KERNEL, on); rows say which in "
+                        "batched products (default: engine.stage2.value_norm_kernel); rows say which in "
                         "value_norm_kernel, and the report pairs only rows alike")
     parser.add_argument("--stage2-search", choices=["auto", "bounded", "exhaustive"], help="on an accelerator, "
                         "stage 2 bounds its norms and scores the entries the bounds leave (bounded), scores every "
-                        "entry (exhaustive; the same entries are kept), or (auto) scores every entry below "
-                        "pcs.eviction.scores.EXHAUSTIVE_BELOW_ENTRIES tokens and bounds from there until the bounds "
-                        "leave more than LOOSE_BOUNDS_SHARE of the entries to score. Default: "
-                        "pcs.eviction.scores.STAGE2_SEARCH, auto; rows say which search they made in stage2_search "
-                        "and, under auto, in stage2_every_entry_share")
+                        "entry (exhaustive; the same entries are kept), or (auto) scores every entry in layers "
+                        "shorter than engine.stage2.exhaustive_below and bounds longer ones until a prompt's bounds "
+                        "prove loose (pcs/options.py). Default: engine.stage2.search; rows say which search they "
+                        "started with in stage2_search and, under auto, how much of it scored every entry in "
+                        "stage2_every_entry_share")
     parser.add_argument("--project", metavar="OVERRIDE", nargs="+", help="print the GPU-hours a sweep would take "
                         "(e.g. experiment=table1), from --bench's measured costs; measures nothing")
     parser.add_argument("--bench", metavar="JSONL", help="--project: the bench results to project from")

@@ -20,6 +20,8 @@ import torch
 from .cache import CompressedCache
 from .eviction.base import LayerState, Method
 from .eviction.scores import SharedScores
+from .eviction.stage2_search import Stage2Work
+from .options import EngineOptions, Stage2Search, defaults
 from .hybrid import full_attention_layers
 
 
@@ -78,15 +80,10 @@ def compressed_layers(cache: CompressedCache) -> tuple[int, ...]:
     return tuple(full_attention_layers(cache.windows))
 
 
-# How many layers behind the forward a prefill on CUDA compresses (``LaggedCompression``); 0: each layer right after
-# its own forward, on the forward's stream, as on a CPU (the bench's --layers-behind 0). Each layer behind holds
-# one more full layer during the prefill.
-LAYERS_BEHIND_ON_CUDA = 2
-
-
-def layers_behind(device: torch.device) -> int:
-    """How many layers behind the forward a prefill on ``device`` compresses, on a stream of its own."""
-    return LAYERS_BEHIND_ON_CUDA if device.type == "cuda" else 0
+def layers_behind(device: torch.device, options: EngineOptions) -> int:
+    """How many layers behind the forward a prefill on ``device`` compresses, on a stream of its own
+    (``EngineOptions.layers_behind`` on CUDA; on a CPU each layer right after its own forward)."""
+    return options.layers_behind if device.type == "cuda" else 0
 
 
 @functools.cache
@@ -106,8 +103,8 @@ class LaggedCompression:
     allocates is ordered after the other's use of it. At 0 layers behind each layer's work runs at once, as if
     this were not here."""
 
-    def __init__(self, device: torch.device):
-        self.behind = layers_behind(device)
+    def __init__(self, device: torch.device, behind: int):
+        self.behind = behind
         self.stream = compression_stream(device) if self.behind and device.type == "cuda" else None
         self.pending: collections.deque = collections.deque()
 
@@ -142,7 +139,8 @@ class LaggedCompression:
 
 
 @contextmanager
-def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer, on_sliding=None, shared=False):
+def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer, on_sliding=None, shared=False,
+                  options: EngineOptions | None = None):
     """While active, ``on_layer(queries, state, cache_layer)`` runs right after each full-attention module's
     multi-token forward, with the layer's full keys and values (``state``, whose ``window_queries`` are the
     longest window's) and ``queries[w]``, its last ``w`` queries for each ``w`` of ``windows``. Each window's
@@ -150,10 +148,14 @@ def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer, o
     a ``SharedScores`` for the methods that all compress the layer (a group of runs). After a sliding-window
     layer's forward, ``on_sliding(layer_idx, cache_layer)`` runs instead (None: the layer stays as it is). On CUDA
     both run a few layers late, beside the forward of the next (``LaggedCompression``); all have run when the
-    context exits without an error."""
+    context exits without an error. ``options``: the engine's (None: the defaults), for how far behind and how
+    stage 2 searches."""
+    options = options or defaults()
     modules = attention_modules(model)
     compressed = compressed_layers(cache)
-    late = LaggedCompression(next(model.parameters()).device)
+    device = next(model.parameters()).device
+    late = LaggedCompression(device, layers_behind(device, options))
+    kernel = options.stage2.value_norm_kernel
 
     def hook(module, args, kwargs, output):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
@@ -169,7 +171,8 @@ def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer, o
                    for w in windows}
         state = LayerState(module.layer_idx, len(modules), keys, values, queries[max(windows, default=0)],
                            module.o_proj.weight, compressed=compressed,
-                           shared=SharedScores(values, module.o_proj.weight) if shared else None)
+                           shared=SharedScores(values, module.o_proj.weight, kernel) if shared else None,
+                           search=options.stage2)
         late.push(lambda: on_layer(queries, state, layer))
 
     with hooked(modules, hook):
@@ -208,6 +211,7 @@ class LayerChoices:
 @dataclass
 class PrefillStats:
     peak_kv_bytes: int = 0      # most bytes the cache held at once during the prefill
+    stage2: Stage2Work = field(default_factory=Stage2Work)   # what stage 2 computed for this prompt (pcs.bench)
 
 
 @dataclass
@@ -219,14 +223,16 @@ class CellCache:
 
 
 @contextmanager
-def compress_each_after_prefill(model, methods: list[Method], caches: list[CompressedCache]):
+def compress_each_after_prefill(model, methods: list[Method], caches: list[CompressedCache],
+                                options: EngineOptions | None = None):
     """One prefill for several methods. The forward writes to ``caches[0]``; right after each attention
     module's forward, every method chooses from that layer's full keys and values and its cache takes
     its kept entries (copied out), then the full layer is released unless a method keeps it whole. So
     the peak is one full layer (more where the compression runs behind the forward, on CUDA) plus
     every method's compressed layers, and each method ends with the
     cache a prefill of its own would give. A model-wide method keeps its full layers until the context
-    closes, then compresses every layer at once (``PrefillStats.peak_kv_bytes`` records it)."""
+    closes, then compresses every layer at once (``PrefillStats.peak_kv_bytes`` records it). ``options``: the
+    engine's (None: the defaults)."""
     n_layers = model.config.num_hidden_layers
     cells = [CellCache(method, cache) for method, cache in zip(methods, caches)]
     choices = [LayerChoices(method, n_layers) for method in methods]
@@ -244,7 +250,7 @@ def compress_each_after_prefill(model, methods: list[Method], caches: list[Compr
             own = cell.cache.layers[state.layer_idx]
             earlier = sum(done.nbytes() for done in cell.cache.layers[:state.layer_idx])
             cell.stats.peak_kv_bytes = max(cell.stats.peak_kv_bytes, earlier + full_bytes)
-            mine = state.seen_by(queries[cell.method.window])
+            mine = state.seen_by(queries[cell.method.window], cell.stats.stage2)
             if own is not layer:
                 own.take(layer)
             own.recent_queries = mine.window_queries    # the window, should decoding recompress later
@@ -265,7 +271,7 @@ def compress_each_after_prefill(model, methods: list[Method], caches: list[Compr
             own.settle()
 
     with after_prefill(model, prefill, sorted({m.window for m in methods}), compress, keep_window,
-                       shared=len(methods) > 1):
+                       shared=len(methods) > 1, options=options):
         yield cells
     for cell, choice in zip(cells, choices):
         if cell.method.model_wide:
@@ -277,10 +283,10 @@ def compress_each_after_prefill(model, methods: list[Method], caches: list[Compr
 
 
 @contextmanager
-def compress_after_prefill(model, method: Method, cache: CompressedCache):
+def compress_after_prefill(model, method: Method, cache: CompressedCache, options: EngineOptions | None = None):
     """While active, each attention module compresses its layer of ``cache`` after a multi-token
     forward (see ``compress_each_after_prefill``, of which this is the one-method case)."""
-    with compress_each_after_prefill(model, [method], [cache]) as (cell,):
+    with compress_each_after_prefill(model, [method], [cache], options) as (cell,):
         yield cell.stats
 
 
@@ -295,11 +301,13 @@ class CompressionStats:
 
 
 def recompress(layer, method: Method, layer_idx: int, n_layers: int, o_proj_weight: torch.Tensor,
-               compressed: tuple[int, ...] | None = None) -> bool:
+               compressed: tuple[int, ...] | None = None, search: Stage2Search | None = None) -> bool:
     """Compress a layer again with ``method``, its newest queries as the observation window (``compressed``: the
-    layers methods choose in, for ``LayerState.depth``). Returns whether anything was evicted."""
+    layers methods choose in, for ``LayerState.depth``; ``search``: stage 2's, None for the default). Returns
+    whether anything was evicted."""
     keys, values, pad = layer.left_padded()
-    state = LayerState(layer_idx, n_layers, keys, values, layer.recent_queries, o_proj_weight, pad, compressed)
+    state = LayerState(layer_idx, n_layers, keys, values, layer.recent_queries, o_proj_weight, pad, compressed,
+                       search=search or defaults().stage2)
     kept = method.keep(state)
     if kept is None:
         return False
@@ -308,7 +316,8 @@ def recompress(layer, method: Method, layer_idx: int, n_layers: int, o_proj_weig
 
 
 @contextmanager
-def recompress_when_full(model, method: Method, cache: CompressedCache, trigger: int | None, stats: CompressionStats):
+def recompress_when_full(model, method: Method, cache: CompressedCache, trigger: int | None, stats: CompressionStats,
+                         search: Stage2Search | None = None):
     """Decoding-time compression: after every forward while active, each layer remembers its newest
     ``window`` queries and, once one of its heads holds more than ``trigger`` entries, is compressed
     again by ``method`` to its budget, the newest queries being the observation window. So no head
@@ -330,7 +339,7 @@ def recompress_when_full(model, method: Method, cache: CompressedCache, trigger:
         held = max(layer.entries_per_head())
         stats.max_kv_entries = max(stats.max_kv_entries, held)
         if trigger is not None and held > trigger and recompress(layer, method, module.layer_idx, len(modules),
-                                                                 module.o_proj.weight, compressed):
+                                                                 module.o_proj.weight, compressed, search):
             stats.compressed_at.add(layer.n_positions)
 
     with hooked(modules, hook):

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import budget
 from .budget import is_share
 from .errors import ConfigError
+from .options import SEARCHES
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -192,6 +193,16 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("compress.trigger does not work with profile.gqa=per_query_head (a layer whose query heads "
                           "chose apart is not compressed again); use another profile.gqa or no trigger")
     engine = cfg.get("engine") or {}
+    search = engine.get("stage2") or {}
+    if search.get("search", "auto") not in SEARCHES:
+        raise ConfigError(f"engine.stage2.search={search.search!r}: choose one of {', '.join(SEARCHES)}")
+    for knob in ("exhaustive_below", "loose_after"):
+        if knob in search and not positive_int(search[knob]):
+            raise ConfigError(f"engine.stage2.{knob}={search[knob]!r} must be a positive integer")
+    if not 0 <= search.get("loose_share", 0.5) <= 1:
+        raise ConfigError(f"engine.stage2.loose_share={search.loose_share!r} must lie in [0, 1]")
+    if not (isinstance(engine.get("layers_behind", 0), int) and engine.get("layers_behind", 0) >= 0):
+        raise ConfigError(f"engine.layers_behind={engine.layers_behind!r} must be a whole number of layers (0: none)")
     if engine.get("pool") is not None and not positive_int(engine.pool):
         raise ConfigError(f"engine.pool={engine.pool!r} must be a positive integer (sequences decoding together) "
                           f"or null (the device's default)")

@@ -10,6 +10,7 @@ import torch
 
 from .benchmarks.base import Sample
 from .engine import Arrival, Cell, DecodePool, Generation, decode
+from .options import EngineOptions
 from .eviction.base import Method
 from .prompts import PromptIds
 
@@ -34,23 +35,25 @@ class RunContext:
 
 def greedy_generate_each(model, input_ids: torch.Tensor, methods: list[Method], max_new_tokens: int,
                          stop_token_ids: set[int], question_ids: torch.Tensor | None = None, min_new_tokens: int = 0,
-                         triggers: list[int | None] | None = None, pool: int = 1) -> list[Generation]:
-    """Greedy answers to one prompt, one per method, on one shared prefill, decoded ``pool`` at a time."""
+                         triggers: list[int | None] | None = None, pool: int = 1,
+                         options: EngineOptions | None = None) -> list[Generation]:
+    """Greedy answers to one prompt, one per method, on one shared prefill, decoded ``pool`` at a time, under the
+    engine's ``options`` (None: the defaults)."""
     cells = [Cell(method, trigger) for method, trigger in zip(methods, triggers or [None] * len(methods))]
     arrival = Arrival(model, input_ids, cells, max_new_tokens, stop_token_ids, question_ids, min_new_tokens,
                       owners=list(range(len(cells))))
-    done = {seq.owner: seq.result for seq in decode(DecodePool(model, pool), [arrival])}
+    done = {seq.owner: seq.result for seq in decode(DecodePool(model, pool, options=options), [arrival])}
     return [done[i] for i in range(len(cells))]
 
 
 def greedy_generate(model, input_ids: torch.Tensor, method: Method, max_new_tokens: int, stop_token_ids: set[int],
                     question_ids: torch.Tensor | None = None, min_new_tokens: int = 0,
-                    trigger: int | None = None) -> Generation:
+                    trigger: int | None = None, options: EngineOptions | None = None) -> Generation:
     """Greedy decoding; stops at any of ``stop_token_ids`` (not included in the output), never
     before ``min_new_tokens``. ``question_ids``, if given, are fed after the prompt is compressed.
     With ``trigger``, a layer is compressed again whenever one of its heads exceeds it."""
     return greedy_generate_each(model, input_ids, [method], max_new_tokens, stop_token_ids, question_ids,
-                                min_new_tokens, [trigger])[0]
+                                min_new_tokens, [trigger], options=options)[0]
 
 
 Request = tuple[Sample, PromptIds, list[RunContext]]   # a sample, its encoded prompt, the cells still to answer it

@@ -22,7 +22,6 @@ heads' KV heads on the samples it answers right and on those it loses.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from .benchmarks.ruler_data import NEEDLE
+from .cli import command
 
 MAX_STEPS = 16          # answer steps the full cache's attention is recorded over
 NEEDLE_START = NEEDLE.split("{")[0]     # how RULER's needle sentence begins: "One of the special magic "
@@ -189,7 +189,7 @@ def full_run_beside(runs: dict) -> list[Path]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pcs.needle_heads", description=__doc__.splitlines()[0])
+    parser = command("pcs.needle_heads", __doc__)
     parser.add_argument("runs", nargs="+", type=Path, help="run folders of one sweep group (a needle task)")
     parser.add_argument("--samples", type=int, default=20, help="first samples of each task and length (default 20)")
     parser.add_argument("--out", type=Path, required=True, help="the JSON file written")

@@ -9,7 +9,6 @@ Each ``predictions.jsonl`` row carries what its metric needs (references, class 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from .benchmarks.base import build_benchmark
 from .run_folder import load_config, read_rows, write_json_atomic, write_rows_atomic
+from .cli import command
 
 
 def run_dirs(path: Path) -> list[Path]:
@@ -51,7 +51,7 @@ def write(run_dir: Path, rows: list[dict], scores: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pcs.rescore", description=__doc__.splitlines()[0])
+    parser = command("pcs.rescore", __doc__)
     parser.add_argument("paths", nargs="+", type=Path, help="run folders or folders holding them")
     parser.add_argument("--fuzzy-backend", choices=("difflib", "levenshtein"),
                         help="LongBench code tasks: score with this fuzz.ratio matcher instead of the run's")

@@ -3,6 +3,7 @@ a group of runs that share their prefills), score, summarise. The only module th
 config -> model + method -> samples -> step (generate or measure) -> predictions -> metrics."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import time
@@ -20,6 +21,7 @@ from .eviction import build_method
 from .generate import RunContext, generate_rows
 from .identity import PER_CELL, RunIdentity
 from .models import load_model, stop_token_ids
+from .options import EngineOptions
 from .output_perturbation import perturbation_row
 from .provenance import now, provenance
 from .run_folder import (ANSWERS_FROM, all_rows, answers_taken, exclusive, in_shard, is_finished, left_alone,
@@ -141,8 +143,7 @@ def execute(cells: list[Cell], shard: tuple[int, int] = (0, 1)) -> list[dict | N
     stops = stop_token_ids(model, tokenizer, first.cfg.model.stop_tokens)
     samples = first.benchmark.samples(tokenizer)
     mine = interleaved([sample for i, sample in enumerate(samples) if in_shard(i, *shard)])
-    engine = first.cfg.get("engine") or {}
-    pool = open_pool(model, engine.get("pool"), engine.get("cuda_graphs", True))
+    pool = open_pool(model, EngineOptions.from_config(first.cfg.get("engine")))
     asked: dict[str, list[Cell]] = {}
 
     def requests():
@@ -179,10 +180,11 @@ def execute(cells: list[Cell], shard: tuple[int, int] = (0, 1)) -> list[dict | N
             bar.close()
     wall_time_s = round(time.time() - started, 2)
     order = {sample.id: i for i, sample in enumerate(samples)}
-    engine_used = {"pool": pool.size, "cuda_graphs": pool.graphs is not None}
+    engine_used = {"pool": pool.size, "cuda_graphs": pool.graphs is not None,
+                   "layers_behind": pool.options.layers_behind, "stage2": dataclasses.asdict(pool.options.stage2)}
 
     def used_by(c: Cell) -> dict:     # the pool is the group's; when answers stop, each cell's own config says
-        return {**engine_used, "stop_when_scored": bool((c.cfg.get("engine") or {}).get("stop_when_scored", False))}
+        return {**engine_used, "stop_when_scored": EngineOptions.from_config(c.cfg.get("engine")).stop_when_scored}
     return [merged(cell, samples, shard, lambda c: summarize(c, model, started_at, wall_time_s, len(cells), order,
                                                             used_by(c), shard[1]))
             for cell in cells]

@@ -9,7 +9,6 @@ time limit or Ctrl-C; a requeued job or a rerun goes on).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from .run_folder import ERROR, INTERRUPTED, RUNNING, SAMPLES, SHARDS, all_rows, is_finished
 from .slurm_queue import RUNNING_STATES, queue_states
+from .cli import command
 
 
 def job_state(folder: Path) -> str | None:
@@ -105,8 +105,7 @@ def report(results_dir: Path) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pcs.status", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command("pcs.status", __doc__)
     parser.add_argument("results_dir", nargs="?", default="results",
                         help="the folder of run folders to read, at any depth (default: results)")
     args = parser.parse_args(argv)

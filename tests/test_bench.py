@@ -260,7 +260,7 @@ def test_decode_targets_read_only_rows_that_decoded_enough_tokens():
 
 def test_rows_under_auto_search_pair_with_their_attention_rows_and_say_where_every_entry_was_scored():
     """Under --stage2-search auto in long layers a perturbation row may bound some layers and score every entry of
-    others (pcs.eviction.scores.LOOSE_BOUNDS_SHARE): it pairs with the attention row of the same search, and the
+    others (engine.stage2.loose_share): it pairs with the attention row of the same search, and the
     table says which share of its entries lay in layers scored in full."""
     from pcs.bench import compression_label, selection_overheads
 

@@ -104,7 +104,7 @@ def test_cuda_shared_prefill_gives_each_cell_its_own_result():
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_cuda_compression_behind_the_forward_keeps_what_compression_after_each_layer_keeps(arch, monkeypatch):
+def test_cuda_compression_behind_the_forward_keeps_what_compression_after_each_layer_keeps(arch):
     """On CUDA each layer is compressed on a second stream, behind the forward, while the next layers' forward runs;
     every cell's cache (entries, lengths, masks) is bit for bit what compressing each layer right after its forward,
     on the forward's stream, gives."""
@@ -114,17 +114,18 @@ def test_cuda_compression_behind_the_forward_keeps_what_compression_after_each_l
     ids = torch.randint(0, 256, (1, 900), generator=torch.Generator().manual_seed(7)).cuda()
     built = [method(cell) for cell in CELLS]
 
-    def held():
+    from pcs.options import defaults
+
+    def held(options):
         caches = [CompressedCache.of(model.config) for _ in built]
-        with torch.no_grad(), compress_each_after_prefill(model, built, caches):
+        with torch.no_grad(), compress_each_after_prefill(model, built, caches, options):
             model(input_ids=ids, past_key_values=caches[0])
         return [[[x.cpu() if torch.is_tensor(x) else x for x in layer.held()] for layer in cache.layers]
                 for cache in caches]
 
-    assert pcs.compression.layers_behind(torch.device("cuda")) > 0
-    beside = held()
-    monkeypatch.setattr(pcs.compression, "LAYERS_BEHIND_ON_CUDA", 0)
-    after = held()
+    assert pcs.compression.layers_behind(torch.device("cuda"), defaults()) > 0
+    beside = held(defaults())
+    after = held(defaults().with_(layers_behind=0))
     for cell_beside, cell_after in zip(beside, after):
         for layer_beside, layer_after in zip(cell_beside, cell_after):
             for x, y in zip(layer_beside, layer_after):
@@ -193,12 +194,16 @@ def test_cuda_graph_decoding_with_triggers_gives_eager_tokens(graph_arch):
     assert all(n > 0 for (i, j), (_, n) in eager.items() if cells[j][1] is not None)   # every trigger was crossed
 
 
-def cuda_layer(n, seed=0, dtype=torch.bfloat16, h_kv=8, h_q=32, d=128, hidden=4096):
-    """One layer of Llama-3.1-8B's shapes with random bfloat16 values, on the GPU."""
+def cuda_layer(n, seed=0, dtype=torch.bfloat16, h_kv=8, h_q=32, d=128, hidden=4096, **search):
+    """One layer of Llama-3.1-8B's shapes with random bfloat16 values, on the GPU; ``search``: stage 2's options
+    changed from the defaults (``pcs.options.Stage2Search``)."""
+    import dataclasses
     from pcs.eviction.base import LayerState
+    from pcs.options import defaults
     g = torch.Generator(device="cuda").manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=g, device="cuda", dtype=dtype)   # noqa: E731
-    return LayerState(10, 32, rand(h_kv, n, d), rand(h_kv, n, d), rand(h_q, 64, d) * 2, rand(hidden, h_q * d) / 64)
+    return LayerState(10, 32, rand(h_kv, n, d), rand(h_kv, n, d), rand(h_q, 64, d) * 2, rand(hidden, h_q * d) / 64,
+                      search=dataclasses.replace(defaults().stage2, **search))
 
 
 STAGE2_CELLS = [("method=snapkv", "selection=perturbation"), ("method=pyramidkv", "selection=perturbation"),
@@ -207,15 +212,13 @@ STAGE2_CELLS = [("method=snapkv", "selection=perturbation"), ("method=pyramidkv"
 
 
 @pytest.mark.parametrize("cell", STAGE2_CELLS)
-def test_cuda_layer_compression_syncs_a_constant_number_of_times(cell, monkeypatch):
+def test_cuda_layer_compression_syncs_a_constant_number_of_times(cell):
     """CUDA's own count of host synchronisations (set_sync_debug_mode warns at each) in one layer's compression is at
     most test_selection.MOST_HOST_READS at 4K and at 32K tokens (the budgets, stage 2's rounds), with the bounded
     search at both (the search that reads the device)."""
-    import pcs.eviction.scores
     from test_selection import MOST_HOST_READS
-    monkeypatch.setattr(pcs.eviction.scores, "STAGE2_SEARCH", "bounded")
     chosen = build_method(compose_cfg(*cell, "budget=1024"))
-    counts = [cuda_syncs(chosen, cuda_layer(n)) for n in (4096, 32768)]
+    counts = [cuda_syncs(chosen, cuda_layer(n, search="bounded")) for n in (4096, 32768)]
     assert 1 <= min(counts) and max(counts) <= MOST_HOST_READS, counts
 
 
@@ -235,14 +238,12 @@ def cuda_syncs(method, layer) -> int:
 
 
 @pytest.mark.parametrize("cell", STAGE2_CELLS)
-def test_cuda_scoring_every_entry_keeps_the_same_entries_with_fewer_syncs(cell, monkeypatch):
-    """STAGE2_SEARCH=exhaustive (the bench's --stage2-search exhaustive) on the GPU: the entries the bounded search
-    keeps, with fewer host synchronisations (stage 2 reads nothing)."""
-    import pcs.eviction.scores
-    layer = cuda_layer(4096)
+def test_cuda_scoring_every_entry_keeps_the_same_entries_with_fewer_syncs(cell):
+    """engine.stage2.search=exhaustive (the bench's --stage2-search exhaustive) on the GPU: the entries the bounded
+    search keeps, with fewer host synchronisations (stage 2 reads nothing)."""
     runs = {}
     for every in (False, True):
-        monkeypatch.setattr(pcs.eviction.scores, "STAGE2_SEARCH", "exhaustive" if every else "bounded")
+        layer = cuda_layer(4096, search="exhaustive" if every else "bounded")
         method = build_method(compose_cfg(*cell, "budget=1024"))
         runs[every] = [k.tolist() for k in method.keep(layer)], cuda_syncs(method, layer)
     assert runs[True][0] == runs[False][0]
@@ -251,16 +252,13 @@ def test_cuda_scoring_every_entry_keeps_the_same_entries_with_fewer_syncs(cell, 
 
 @pytest.mark.parametrize("kernel", [False, True])
 @pytest.mark.parametrize("cell", STAGE2_CELLS)
-def test_cuda_bounded_stage2_keeps_what_exhaustive_stage2_keeps(cell, kernel, monkeypatch):
+def test_cuda_bounded_stage2_keeps_what_exhaustive_stage2_keeps(cell, kernel):
     """On the GPU, in bfloat16, with Llama-3.1-8B's shapes: the bounded stage 2 keeps the exhaustive one's entries,
     with the batched products' norms and with the norms kernel's (``kernel``)."""
     import functools
-    import pcs.eviction.scores
-    monkeypatch.setattr(pcs.eviction.scores, "VALUE_NORM_KERNEL", kernel)
-    monkeypatch.setattr(pcs.eviction.scores, "STAGE2_SEARCH", "bounded")   # short layers would score every entry
     chosen = build_method(compose_cfg(*cell, "budget=512"))
-    for seed, n in ((0, 4096), (1, 9000)):
-        layer = cuda_layer(n, seed)
+    for seed, n in ((0, 4096), (1, 9000)):   # bounded: short layers would score every entry
+        layer = cuda_layer(n, seed, search="bounded", value_norm_kernel=kernel)
         fast = chosen.keep(layer)
         selection = chosen.selection
         selection.select = functools.partial(type(selection).select, selection, exhaustive=True)

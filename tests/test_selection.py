@@ -17,7 +17,9 @@ from pcs.eviction.snapkv import SnapKV
 from pcs.eviction.conventions import Conventions
 from pcs.eviction.scores import SharedScores, group_weights, norm_plan, projected_value_norms, \
     top_eigenvalue_bound
-from pcs.eviction.selection import AttentionSelection, PerturbationSelection, Stage2, WindowScores
+from pcs.eviction.selection import AttentionSelection, PerturbationSelection, WindowScores
+from pcs.eviction.stage2_search import Stage2, Stage2Work
+from pcs.options import defaults
 
 from conftest import compose_cfg
 
@@ -173,14 +175,14 @@ def test_each_profiles_l1_norm_reaches_stage2_and_the_shared_norms(monkeypatch):
     """From the composed config to stage 2's plan: kvpress's profile (and so ``preset=criticalkv``) sums in one
     reduction, the paper's does not; shared norms are computed once per way of summing."""
     import pcs.eviction.scores as scores_module
-    import pcs.eviction.selection as selection_module
+    import pcs.eviction.stage2_search as search_module
     asked = []
 
     def recording_plan(*args, **kwargs):
         plan = scores_module.norm_plan(*args, **kwargs)
         asked.append(plan.one_reduction)
         return plan
-    monkeypatch.setattr(selection_module, "norm_plan", recording_plan)
+    monkeypatch.setattr(search_module, "norm_plan", recording_plan)
     layer = long_layer(1)
     for overrides, one_reduction in ((["profile=kvpress"], True), (["preset=criticalkv"], True),
                                      (["profile=paper"], False)):
@@ -333,12 +335,13 @@ def test_entries_kept_on_their_lower_bound_are_those_exhaustive_scoring_keeps(ti
     n_kv, group, m, d = 2, 3, 900, 16
     mean, pooled, stage1 = attention_like(n_kv, group, m, True, g)
     ws = WindowScores(mean, pooled, stage1, torch.randn(n_kv, m, d, generator=g),
-                      torch.randn(1, n_kv * group * d, generator=g), conventions=Conventions(ties=ties))
+                      torch.randn(1, n_kv * group * d, generator=g), conventions=Conventions(ties=ties),
+                      work=Stage2Work())
     sel = PerturbationSelection(gqa=gqa)
     for budgets in ([40, 120], [300, 7]):
         fast, plain = sel.select(budgets, ws), sel.select(budgets, ws, exhaustive=True)
         assert [f.tolist() for f in fast] == [p.tolist() for p in plain], budgets
-    assert sel.work.certified > 0
+    assert ws.work.certified > 0
 
 
 @pytest.mark.parametrize("ties", ["earlier", "topk"])
@@ -351,13 +354,14 @@ def test_bounded_stage2_keeps_what_exhaustive_scoring_keeps(ties, gqa, source, e
     n_kv, group, m, d, hidden = 2, 3, 900, 16, 48
     mean, pooled, stage1 = attention_like(n_kv, group, m, peaked, g)
     ws = WindowScores(mean, pooled, stage1, torch.randn(n_kv, m, d, generator=g),
-                      torch.randn(hidden, n_kv * group * d, generator=g), conventions=Conventions(ties=ties))
+                      torch.randn(hidden, n_kv * group * d, generator=g), conventions=Conventions(ties=ties),
+                      work=Stage2Work())
     sel = PerturbationSelection(alpha=0.25, stage2_source=source, epsilon=epsilon, gqa=gqa)
     fast, plain = sel.select([40, 120], ws), sel.select([40, 120], ws, exhaustive=True)
     assert [f.tolist() for f in fast] == [p.tolist() for p in plain]
     if peaked and source == "unpooled":   # the bounds rule most entries out, and keep some without exact norms
-        assert sel.work.exact_share < 0.2 and sel.work.gram_share < 1 and sel.work.certified > 0
-    assert 1 <= sel.work.host_reads <= Stage2.MOST_READS
+        assert ws.work.exact_share < 0.2 and ws.work.gram_share < 1 and ws.work.certified > 0
+    assert 1 <= ws.work.host_reads <= Stage2.MOST_READS
 
 
 @pytest.mark.parametrize("ties", ["earlier", "topk"])
@@ -434,12 +438,15 @@ def every_method(profile, gqa):
         for m in ("snapkv", "adakv")]
 
 
-def long_layer(seed, n=700, pad=None, sharpness=2.0):
+def long_layer(seed, n=700, pad=None, sharpness=2.0, search="bounded", work=None):
+    """A random layer. Stage 2 bounds its norms by default (a CPU's only search; where a test forces an
+    accelerator's plan, short layers would otherwise score every entry), and counts what it computed in ``work``."""
     g = torch.Generator().manual_seed(seed)
     h_kv, h_q, d, hidden = 2, 6, 16, 48
     K, V = torch.randn(h_kv, n, d, generator=g), torch.randn(h_kv, n, d, generator=g)
     return LayerState(3, 8, K, V, torch.randn(h_q, 64, d, generator=g) * sharpness,
-                      torch.randn(hidden, h_q * d, generator=g), pad)
+                      torch.randn(hidden, h_q * d, generator=g), pad,
+                      search=dataclasses.replace(defaults().stage2, search=search), work=work)
 
 
 @pytest.fixture(params=["one row", "every row", "norms kernel"])
@@ -450,9 +457,8 @@ def rows_together(request, monkeypatch):
     Triton: ``TRITON_INTERPRET=1 pytest tests/test_selection.py -k kernel`` where Triton is installed (CUDA's torch
     wheels ship it, this project's CPU venv does not; tests/test_gpu.py runs the compiled kernel)."""
     import pcs.eviction.scores as scores_module
-    if request.param != "one row":
+    if request.param != "one row":      # stage 2 bounds: long_layer's layers and the WindowScores below say so
         monkeypatch.setattr(scores_module, "batches_rows", lambda device: True)
-        monkeypatch.setattr(scores_module, "STAGE2_SEARCH", "bounded")   # short layers would score every entry
     if request.param == "norms kernel":
         pytest.importorskip("triton")
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -478,15 +484,15 @@ def test_every_method_profile_and_gqa_mode_keeps_what_exhaustive_stage2_keeps(pr
                   for layer in layers]
     works = []
     for method in every_method(profile, gqa):
+        works.append(Stage2Work())
         for layer, grouped in zip(layers, in_a_group):
-            fast = method.keep(layer)
+            fast = method.keep(dataclasses.replace(layer, work=works[-1]))
             exhaustive = functools.partial(type(method.selection).select, method.selection, exhaustive=True)
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(method.selection, "select", exhaustive)
                 plain = method.keep(layer)
             assert [f.tolist() for f in fast] == [p.tolist() for p in plain], (profile, gqa, method)
             assert [f.tolist() for f in fast] == [g.tolist() for g in method.keep(grouped)], (profile, gqa, method)
-        works.append(method.selection.work)
     # Both of stage 2's paths ran: heads the first round settled, and heads that needed the second.
     assert 0 < sum(w.widened for w in works) < sum(w.heads for w in works)
 
@@ -591,7 +597,8 @@ def test_a_tie_at_the_cut_under_torch_topks_rule_is_scored_in_full(rows_together
     values = torch.randn(n_kv, 5, d, generator=g)[:, torch.randint(0, 5, (m,), generator=g)]   # 5 distinct values
     mean = (torch.randint(1, 4, (n_kv * group, m), generator=g).float() / m)                   # 3 attention levels
     ws = WindowScores(mean, mean, mean.view(n_kv, group, m).mean(1), values,
-                      torch.randn(hidden, n_kv * group * d, generator=g), conventions=Conventions(ties="topk"))
+                      torch.randn(hidden, n_kv * group * d, generator=g), conventions=Conventions(ties="topk"),
+                      search=dataclasses.replace(defaults().stage2, search="bounded"))
     scored_in_full = []
     every_entry = Stage2.score_every_entry
     monkeypatch.setattr(Stage2, "score_every_entry",
@@ -621,10 +628,9 @@ def test_one_layers_compression_dispatches_a_bounded_number_of_operations_on_acc
     from pcs.bench import CompressionOps
     import pcs.eviction.scores as scores_module
     monkeypatch.setattr(scores_module, "batches_rows", lambda device: True)
-    monkeypatch.setattr(scores_module, "STAGE2_SEARCH", "bounded")     # the search with the most operations
 
     def ops(method, n):
-        layer = long_layer(4, n=n)
+        layer = long_layer(4, n=n, search="bounded")      # the search with the most operations
         method.keep(layer)                     # the layer's output projection, computed once per weight
         with CompressionOps(method) as counted:
             method.keep(layer)
@@ -645,44 +651,42 @@ def test_one_layers_compression_dispatches_a_bounded_number_of_operations_on_acc
 @pytest.mark.parametrize("pad", [None, torch.tensor([0, 137])])
 def test_scoring_every_entry_on_accelerators_keeps_the_bounded_searchs_entries_in_few_operations(profile, gqa, pad,
                                                                                                  monkeypatch):
-    """STAGE2_SEARCH=exhaustive (forced here on the CPU with an accelerator's plan): every method keeps what the
+    """engine.stage2.search=exhaustive (forced here on the CPU with an accelerator's plan): every method keeps what the
     bounded search keeps, counts every live entry as scored, never reads the device in stage 2, and dispatches far
     fewer operations than the bounded search."""
     from pcs.bench import CompressionOps
     import pcs.eviction.scores as scores_module
     monkeypatch.setattr(scores_module, "batches_rows", lambda device: True)
-    layer = long_layer(3, n=3000, pad=pad)
 
-    def kept_and_ops(method):
+    def kept_and_ops(method, layer):
         method.keep(layer)
         with CompressionOps(method) as counted:
             kept = method.keep(layer)
         return [k.tolist() for k in kept], counted.ops
 
     for bounded, every in zip(every_method(profile, gqa), every_method(profile, gqa)):
-        monkeypatch.setattr(scores_module, "STAGE2_SEARCH", "bounded")
-        kept, ops = kept_and_ops(bounded)
-        monkeypatch.setattr(scores_module, "STAGE2_SEARCH", "exhaustive")
-        reads = every.selection.work.host_reads
-        kept_every, ops_every = kept_and_ops(every)
+        kept, ops = kept_and_ops(bounded, long_layer(3, n=3000, pad=pad, search="bounded"))
+        work = Stage2Work()
+        reads = work.host_reads
+        kept_every, ops_every = kept_and_ops(every, long_layer(3, n=3000, pad=pad, search="exhaustive", work=work))
         assert kept_every == kept and ops_every < ops / 2, (ops_every, ops)
-        work = every.selection.work
         assert work.host_reads == reads and work.exact == work.entries > 0
 
 
 def test_stage2_search_auto_scores_every_entry_in_short_layers_and_bounds_long_ones(monkeypatch):
-    """STAGE2_SEARCH=auto (the default) with an accelerator's plan, forced on the CPU: layers of fewer than
-    EXHAUSTIVE_BELOW_ENTRIES entries have every entry scored without a read of the device in stage 2, longer ones the
+    """engine.stage2.search=auto (the default) with an accelerator's plan, forced on the CPU: layers of fewer than
+    exhaustive_below entries have every entry scored without a read of the device in stage 2, longer ones the
     bounded search (some entries left unscored, the device read); a CPU's plan bounds whatever the length."""
     import pcs.eviction.scores as scores_module
-    assert scores_module.STAGE2_SEARCH == "auto"
-    monkeypatch.setattr(scores_module, "EXHAUSTIVE_BELOW_ENTRIES", 2000)     # the rule, on layers a CPU runs quickly
+    assert defaults().stage2.search == "auto"
 
     def work(n, accelerator):
         monkeypatch.setattr(scores_module, "batches_rows", lambda device: accelerator)
         method = build_method(compose_cfg("method=snapkv", "selection=perturbation", "budget=128"))
-        method.keep(long_layer(3, n=n))
-        return method.selection.work
+        layer = long_layer(3, n=n, search="auto", work=Stage2Work())
+        layer = dataclasses.replace(layer, search=dataclasses.replace(layer.search, exhaustive_below=2000))
+        method.keep(layer)           # the rule at 2,000 entries, on layers a CPU runs quickly
+        return layer.work
 
     short, long = work(1999, True), work(2000, True)
     assert short.exact == short.entries > 0 and short.host_reads == 0
@@ -693,36 +697,67 @@ def test_stage2_search_auto_scores_every_entry_in_short_layers_and_bounds_long_o
 
 @pytest.mark.parametrize("loose, evidence", [(True, 1), (False, 1), (True, 2)])
 def test_stage2_search_auto_scores_every_entry_once_the_runs_bounds_prove_loose(loose, evidence, monkeypatch):
-    """STAGE2_SEARCH=auto with an accelerator's plan, forced on the CPU, in layers long enough to be bounded: a run
-    whose bounded layers so far, at least LOOSE_AFTER_LAYERS of them, scored more than LOOSE_BOUNDS_SHARE of their
+    """engine.stage2.search=auto with an accelerator's plan, forced on the CPU, in layers long enough to be bounded:
+    a prompt whose bounded layers so far, at least loose_after of them, scored more than loose_share of their
     entries exactly scores every entry of its next layer, without a read of the device, and keeps what the bounded
     search keeps; at or below the share, or with fewer bounded layers, it keeps bounding. The share is set just
     below or at the first layer's own, so the test reads the rule, not how loose these random layers' bounds
     happen to be."""
     import pcs.eviction.scores as scores_module
     monkeypatch.setattr(scores_module, "batches_rows", lambda device: True)
-    monkeypatch.setattr(scores_module, "EXHAUSTIVE_BELOW_ENTRIES", 2000)
-    monkeypatch.setattr(scores_module, "LOOSE_AFTER_LAYERS", evidence)
     first, second = long_layer(3, n=3000), long_layer(4, n=3000)
 
     def method():
         return build_method(compose_cfg("method=snapkv", "selection=perturbation", "budget=128"))
 
-    monkeypatch.setattr(scores_module, "STAGE2_SEARCH", "bounded")
     reference = method()
     reference.keep(first)
     expected = [k.tolist() for k in reference.keep(second)]
 
-    monkeypatch.setattr(scores_module, "STAGE2_SEARCH", "auto")
-    run = method()
-    run.keep(first)
-    work = run.selection.work
+    run, work = method(), Stage2Work()
+    auto = dataclasses.replace(defaults().stage2, search="auto", exhaustive_below=2000, loose_after=evidence)
+    run.keep(dataclasses.replace(first, search=auto, work=work))
     share, reads, entries = work.bounded_share, work.host_reads, work.entries
     assert 0 < share < 1 and work.every_entry == 0 and reads >= 1
-    monkeypatch.setattr(scores_module, "LOOSE_BOUNDS_SHARE", share * (1 - 1e-6) if loose else share)
-    assert [k.tolist() for k in run.keep(second)] == expected
+    auto = dataclasses.replace(auto, loose_share=share * (1 - 1e-6) if loose else share)
+    assert [k.tolist() for k in run.keep(dataclasses.replace(second, search=auto, work=work))] == expected
     if loose and evidence == 1:
         assert work.every_entry == work.entries - entries > 0 and work.host_reads == reads
         assert work.bounded_share == share and 0 < work.every_entry_share < 1 and work.every_entry_layers == 1
     else:           # the second layer bounded too: the device read again, both layers counted as bounded
         assert work.every_entry == 0 and work.host_reads > reads and work.layers - work.every_entry_layers == 2
+
+
+def test_a_prompts_search_and_kept_entries_do_not_depend_on_the_prompts_before_it(monkeypatch):
+    """One prompt compressed on its own, after a prompt whose bounds prove loose, and after a prompt whose bounds
+    stay tight, by the same method objects in one process, under ``auto`` with an accelerator's plan (forced on
+    the CPU) and a loose-bounds rule that the first layers can trigger: the same entries, and the same stage-2 work
+    (exact norms, bounds, device reads, layers scored in full), whatever came before."""
+    from conftest import tiny_model
+    from pcs.cache import CompressedCache
+    from pcs.compression import compress_each_after_prefill
+    import pcs.eviction.scores as scores_module
+    monkeypatch.setattr(scores_module, "batches_rows", lambda device: True)
+    model = tiny_model("llama")
+    options = defaults().with_(stage2_search="auto", stage2_exhaustive_below=64, stage2_loose_after=1,
+                               stage2_loose_share=0.3)
+    methods = [build_method(compose_cfg(f"method={m}", "selection=perturbation", "budget=48", "method.window=8"))
+               for m in ("snapkv", "adakv")]
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 256, (1, 400), generator=g)
+    predecessors = {"loose": torch.randint(0, 4, (1, 500), generator=g),      # few distinct tokens: flat scores
+                    "tight": torch.randint(0, 256, (1, 300), generator=g)}
+
+    def compressed(method, ids):     # one method alone: a group shares every entry's norms and searches nothing
+        cache = CompressedCache.of(model.config)
+        with torch.no_grad(), compress_each_after_prefill(model, [method], [cache], options) as (cell,):
+            model(input_ids=ids, past_key_values=cache)
+        kept = [[x.tolist() if torch.is_tensor(x) else x for x in layer.held()] for layer in cache.layers]
+        return kept, dataclasses.asdict(cell.stats.stage2)
+
+    for method in methods:
+        alone = compressed(method, prompt)
+        assert alone[1]["layers"] > 0 and 0 < alone[1]["every_entry_layers"] < alone[1]["layers"]
+        for name, before in predecessors.items():
+            compressed(method, before)
+            assert compressed(method, prompt) == alone, name

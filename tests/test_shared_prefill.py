@@ -31,7 +31,7 @@ def methods():
 
 
 def comparable(gen):
-    return {k: v for k, v in vars(gen).items() if k not in ("prefill_s", "decode_s")}
+    return {k: v for k, v in vars(gen).items() if k not in ("prefill_s", "decode_s", "stage2")}   # costs, not answers
 
 
 @pytest.mark.parametrize("question,trigger", [(False, None), (True, None), (False, 60)])
@@ -57,7 +57,7 @@ def test_the_shared_prefill_holds_whole_only_the_layers_it_has_yet_to_compress(b
     layers (a model-wide cell: all of them whole), and, compressing ``behind`` layers behind the forward (CUDA's
     overlap, reordered here on one stream), the prefill cache's ``behind`` layers before it, whole: no other."""
     import pcs.compression
-    monkeypatch.setattr(pcs.compression, "layers_behind", lambda device: behind)
+    monkeypatch.setattr(pcs.compression, "layers_behind", lambda device, options: behind)
     model = tiny_model("llama")
     built = methods()[:5]                      # layer-by-layer methods only
     caches = [CompressedCache.of(model.config) for _ in built]
@@ -93,7 +93,7 @@ def test_compressing_layers_behind_the_forward_changes_nothing_but_the_peak(arch
     q = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(6)) if question else None
     built = methods()
     at_once = greedy_generate_each(model, ids, built, 10, set(), question_ids=q)
-    monkeypatch.setattr(pcs.compression, "layers_behind", lambda device: behind)
+    monkeypatch.setattr(pcs.compression, "layers_behind", lambda device, options: behind)
     late = greedy_generate_each(model, ids, built, 10, set(), question_ids=q)
     full = 2 * model.config.num_key_value_heads * ids.shape[1] * head_dim(model.config) * model.dtype.itemsize
     for now, then in zip(at_once, late):

@@ -38,6 +38,7 @@ from ..cache import CompressedCache
 from ..compression import CompressionStats, at_unit_scale, attention_modules, recompress
 from ..eviction.base import Method
 from ..hybrid import attention_windows, full_attention_layers, head_dim
+from ..options import EngineOptions, defaults
 from ..upload import upload
 from .pool import PoolCache
 from .rings import QueryRings
@@ -68,6 +69,7 @@ class Generation:
     max_kv_entries: int = 0    # most entries any KV head held after prefill compression and later
     n_compressions: int = 0    # decoding-time recompressions (steps at which some layer recompressed)
     peak_kv_bytes: int = 0     # most bytes the cache held during prefill (a model-wide method: the full cache)
+    stage2: object = None      # what stage 2 computed for this prompt (``Stage2Work``; pcs.bench reports it)
 
 
 @dataclass
@@ -129,8 +131,9 @@ class StepOutOfMemory(Exception):
 class DecodePool:
     """Up to ``size`` sequences decoding together (see the module's docstring)."""
 
-    def __init__(self, model, size: int, graphs: bool = False):
+    def __init__(self, model, size: int, graphs: bool = False, options: EngineOptions | None = None):
         self.model, self.size = model, size
+        self.options = options or defaults()     # how its prompts are prefilled and compressed
         self.limit = size          # answers admitted in flight: lowered when the device runs out of memory
         self.device = next(model.parameters()).device
         self.use_graphs = graphs
@@ -352,7 +355,7 @@ class DecodePool:
                 row = layer.row_layer(slot)
                 row.recent_queries = self.rings.newest(i, slot, min(seq.n_queries, seq.method.window,
                                                                      self.rings.window))
-                if recompress(row, seq.method, i, n_layers, self.o_proj[i], self.compressed):
+                if recompress(row, seq.method, i, n_layers, self.o_proj[i], self.compressed, self.options.stage2):
                     seq.stats.compressed_at.add(seq.position)
                     layer.load(slot, row, seq.room())
 
@@ -396,7 +399,7 @@ def decode(pool: DecodePool, arrivals: Iterable) -> Iterator[Sequence]:
                     more = False
                     break
             try:
-                waiting.extend(arrival.prefill(which))
+                waiting.extend(arrival.prefill(which, pool.options))
             except torch.OutOfMemoryError as err:
                 if pool.sequences:
                     say(f"out of memory prefilling {arrival.name} ({arrival.tokens:,} tokens) with "
@@ -460,10 +463,12 @@ def free_memory(device: torch.device) -> float:
         return float("inf")
 
 
-def open_pool(model, size: int | None = None, cuda_graphs: bool = True) -> DecodePool:
-    """The decode pool for ``engine.pool`` and ``engine.cuda_graphs`` on the model's device, its size printed."""
+def open_pool(model, options: EngineOptions) -> DecodePool:
+    """The decode pool for the engine's options (``pool``, ``cuda_graphs``) on the model's device, its size
+    printed."""
     device = next(model.parameters()).device
-    graphs = cuda_graphs and device.type == "cuda"
+    graphs = options.cuda_graphs and device.type == "cuda"
+    size = options.pool
     if size is None:
         size = CUDA_POOL if device.type == "cuda" else CPU_POOL
         why = f"engine.pool=null on {device.type.upper()}: up to {size}, as the {free_memory(device) / 2**30:.1f} GiB free allow"
@@ -471,4 +476,4 @@ def open_pool(model, size: int | None = None, cuda_graphs: bool = True) -> Decod
         why = f"engine.pool={size}; {free_memory(device) / 2**30:.1f} GiB free"
     print(f"[pcs] decode pool: {size} sequence(s) in flight ({why}); "
           f"{'CUDA graphs' if graphs else 'eager'} decoding steps", flush=True)
-    return DecodePool(model, size, graphs)
+    return DecodePool(model, size, graphs, options)

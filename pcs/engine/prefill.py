@@ -9,9 +9,10 @@ from typing import Callable
 import torch
 
 from ..cache import CompressedCache
-from ..compression import CompressionStats, compress_each_after_prefill, recompress_when_full
+from ..compression import CompressionStats, PrefillStats, compress_each_after_prefill, recompress_when_full
 from ..eviction.base import Method
 from ..hybrid import attention_windows, head_dim, held_entries
+from ..options import EngineOptions, Stage2Search, defaults
 from .decode import Generation, Sequence, clock
 
 
@@ -46,12 +47,13 @@ class Arrival:
     def tokens(self) -> int:
         return self.input_ids.shape[1] + (0 if self.question_ids is None else self.question_ids.shape[1])
 
-    def prefill(self, which: list[int] | None = None) -> list[Sequence]:
-        """The sequences of cells ``which`` (all by default), after one shared prefill."""
+    def prefill(self, which: list[int] | None = None, options: EngineOptions | None = None) -> list[Sequence]:
+        """The sequences of cells ``which`` (all by default), after one shared prefill under the engine's
+        ``options`` (None: the defaults)."""
         which = list(range(len(self.cells))) if which is None else which
         owners = self.owners or [None] * len(self.cells)
         sequences = prefill(self.model, self.input_ids, [self.cells[i] for i in which], self.max_new_tokens,
-                            self.stops, self.question_ids, self.min_new_tokens, [owners[i] for i in which])
+                            self.stops, self.question_ids, self.min_new_tokens, [owners[i] for i in which], options)
         for i, seq in zip(which, sequences):
             seq.source = (self, i)
         return sequences
@@ -66,16 +68,18 @@ def full_kv_bytes(config, n_tokens: int, dtype: torch.dtype) -> int:
 
 @torch.inference_mode()
 def prefill(model, input_ids: torch.Tensor, cells: list[Cell], max_new_tokens: int, stops: set[int],
-            question_ids: torch.Tensor | None = None, min_new_tokens: int = 0, owners: list | None = None
-            ) -> list[Sequence]:
+            question_ids: torch.Tensor | None = None, min_new_tokens: int = 0, owners: list | None = None,
+            options: EngineOptions | None = None) -> list[Sequence]:
     """One prompt prefilled once for every cell; each cell's ``Sequence`` holds the cache and first logits a
-    prefill of its own would give (``tests/test_shared_prefill.py``)."""
+    prefill of its own would give (``tests/test_shared_prefill.py``). ``options``: the engine's (None: the
+    defaults)."""
+    options = options or defaults()
     device = next(model.parameters()).device
     n = input_ids.shape[1]
     room = 0 if question_ids is None else question_ids.shape[1]     # the question is appended before decoding
     caches = [CompressedCache.of(model.config, room) for _ in cells]
     start = clock(device)
-    with compress_each_after_prefill(model, [cell.method for cell in cells], caches) as compressed:
+    with compress_each_after_prefill(model, [cell.method for cell in cells], caches, options) as compressed:
         logits = model(input_ids=input_ids.to(device), past_key_values=caches[0], use_cache=True,
                        logits_to_keep=1).logits
     prefill_s = clock(device) - start
@@ -83,18 +87,20 @@ def prefill(model, input_ids: torch.Tensor, cells: list[Cell], max_new_tokens: i
     sequences = []
     for i, (cell, owner) in enumerate(zip(cells, owners or [None] * len(cells))):
         done, compressed[i] = compressed[i], None       # the cell's prefill cache goes once it has joined
-        sequences.append(with_question(model, done.cache, cell, logits, n, prefill_s, done.stats.peak_kv_bytes,
-                                       question_ids, max_new_tokens, min_new_tokens, frozenset(stops), owner))
+        sequences.append(with_question(model, done.cache, cell, logits, n, prefill_s, done.stats,
+                                       question_ids, max_new_tokens, min_new_tokens, frozenset(stops), owner,
+                                       options.stage2))
     return sequences
 
 
-def with_question(model, cache: CompressedCache, cell: Cell, logits, n: int, prefill_s: float, peak_kv_bytes: int,
-                  question_ids, max_new_tokens: int, min_new_tokens: int, stops: frozenset, owner) -> Sequence:
+def with_question(model, cache: CompressedCache, cell: Cell, logits, n: int, prefill_s: float, prefilled: PrefillStats,
+                  question_ids, max_new_tokens: int, min_new_tokens: int, stops: frozenset, owner,
+                  search: Stage2Search | None = None) -> Sequence:
     """A cell's sequence: the question (if fed after compression) on its compressed cache, then its sizes."""
     device = logits.device
     stats = CompressionStats(max_kv_entries=cache.most_entries())
     start = clock(device)
-    with recompress_when_full(model, cell.method, cache, cell.trigger, stats):
+    with recompress_when_full(model, cell.method, cache, cell.trigger, stats, search):
         if question_ids is not None:
             q = question_ids.shape[1]
             logits = model(input_ids=question_ids.to(device), position_ids=torch.arange(n, n + q, device=device)[None],
@@ -102,6 +108,6 @@ def with_question(model, cache: CompressedCache, cell: Cell, logits, n: int, pre
             n += q
     prefill_s += clock(device) - start
     result = Generation([], n, cache.nbytes(), full_kv_bytes(model.config, n, model.dtype), prefill_s, 0.0,
-                        peak_kv_bytes=peak_kv_bytes)
+                        peak_kv_bytes=prefilled.peak_kv_bytes, stage2=prefilled.stage2)
     return Sequence(owner, cache, logits[0, -1], n, max_new_tokens, min_new_tokens, stops, cell.method,
                     cell.trigger, result, stats, settled=cell.settled)

@@ -7,13 +7,15 @@ interface below and nothing else. A method's module is its class; its config fil
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from .. import budget
+from ..options import Stage2Search, defaults
 from .scores import SharedScores
+from .stage2_search import Stage2Work
 
 # Per layer: None (the layer is kept whole) or one ascending LongTensor of kept positions per KV head.
 Kept = Optional[list[torch.Tensor]]
@@ -32,10 +34,13 @@ class LayerState:
     compressed: tuple[int, ...] | None = None   # the model's layers methods choose in (None: all of them; a
                                                 # hybrid model's sliding-window layers keep their window)
     shared: SharedScores | None = None   # scores computed once for every run sharing this prefill
+    search: Stage2Search = field(default_factory=lambda: defaults().stage2)   # how stage 2 searches (a selection's)
+    work: Stage2Work | None = None       # the prompt's stage-2 tally for this method (None: the layer's alone)
 
-    def seen_by(self, window_queries: torch.Tensor) -> LayerState:
-        """The same layer as a method with another observation window sees it (its own last queries)."""
-        return dataclasses.replace(self, window_queries=window_queries)
+    def seen_by(self, window_queries: torch.Tensor, work: Stage2Work | None = None) -> LayerState:
+        """The same layer as a method with another observation window sees it (its own last queries), counting
+        its stage 2 in ``work``."""
+        return dataclasses.replace(self, window_queries=window_queries, work=work)
 
     @property
     def depth(self) -> tuple[int, int]:

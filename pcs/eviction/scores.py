@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..kernels import value_norms as value_norm_kernel
+from ..options import Stage2Search
 
 
 def positions(mask: torch.Tensor, sizes: list[int], tail: int = 0) -> list[torch.Tensor]:
@@ -187,13 +188,6 @@ ACCELERATOR_PRODUCT_BYTES = 1 << 30
 # random 4K prompt), 30.8 % to 22.6 % for AdaKV at 1,024, and 4.0 % to 2.7 % on two layers of Llama-3.1-8B's shapes
 # (random weights, 8K) at 128, with the same device reads; at 1,024 and under criticalkv's knobs no change there.
 ACCELERATOR_TILE = 1024
-# Whether CUDA's exact norms go through one kernel that never writes the product (``pcs.kernels.value_norms``)
-# instead of the batched products (the bench's --no-value-norm-kernel). On an H200 (2026-11-26, fifth session) its
-# GPU tests passed (its norms against float64, an entry's bits whatever it is scored with, the bounded stage 2 equal
-# to the exhaustive one with it) and, in one command at 8K with Llama-3.1-8B's shapes, SnapKV's perturbation prefill
-# took 0.305 s instead of 0.328 s at budget 128, 0.324 s instead of 0.340 s at 1,024, and criticalkv's 0.335 s and
-# 0.366 s instead of 0.367 s and 0.403 s (results/bench/README.md).
-VALUE_NORM_KERNEL = True
 
 
 def batches_rows(device: torch.device) -> bool:
@@ -203,56 +197,27 @@ def batches_rows(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-# How stage 2 searches on an accelerator (the bench's --stage2-search): "bounded" bounds the norms and scores the
-# entries the bounds leave (about a hundred launches and two to four waits for the device a layer); "exhaustive"
-# scores every entry in one pass of the norms (no bound, no wait, the norms of entries a bound would have
-# ruled out); "auto" scores every entry in layers of fewer than EXHAUSTIVE_BELOW_ENTRIES entries and bounds from
-# there, until the run's bounded layers have left more than LOOSE_BOUNDS_SHARE of their entries to score exactly:
-# from then on it scores every entry. Kept sets are the same bits either way. On an H200 (2026-11-26, seventh and
-# ninth sessions; Llama-3.1-8B's shapes, random weights, prefill plus compression over attention selection's, 2
-# layers behind, results/bench/README.md):
-#   8K:  bounded 1.119-1.537, exhaustive 1.072-1.122 (SnapKV and AdaKV, each also under criticalkv's knobs, b128
-#        and b1024; exhaustive lower in each of the 7 pairs measured both ways): a layer's forward there seems too
-#        short to hide the bounded search's waits;
-#   16K: paper's knobs, SnapKV b128, bounded 1.013 against exhaustive 1.081;
-#   32K: paper's knobs, bounded 1.007 / 1.008 against exhaustive 1.060 / 1.059 (SnapKV b128 / b1024; exact norms
-#        for 0.6 % / 7.2 % of the entries): the forward hides the waits, while every entry's norms (n hidden^2
-#        multiply-adds, about 5 % of the forward's FLOPs) compete with it for the device; criticalkv's knobs,
-#        bounded 1.083 / 1.090 against exhaustive 1.058 / 1.061 (exact norms for 66 % / 89 %).
-# Lines through 32K's bounded points (paper's b1024 to either of criticalkv's) meet the exhaustive search's
-# 1.058-1.061 at 46-60 % of the entries scored exactly: LOOSE_BOUNDS_SHARE sits between. How loose the bounds are
-# follows the model and the knobs (the embedded model's real layers under criticalkv's knobs at 1,024: 41-43 %), not
-# the layer's length, so a run judges it from its own bounded layers, at least LOOSE_AFTER_LAYERS of them (a model's
-# first layers can differ from the rest); once it scores every entry it has no new evidence and keeps doing so.
-# A run switches for good (``Stage2Work`` lives with its selection), so in pcs.bench the switch falls in the untimed
-# warm-up prefill: criticalkv's knobs at 32K 1.049 / 1.043 switching after 4 layers (an H200, 2026-11-27), 1.043 /
-# 1.045 after one (another machine), both with every layer of the timed rounds scored whole.
-STAGE2_SEARCH = "auto"
-EXHAUSTIVE_BELOW_ENTRIES = 16384
-LOOSE_BOUNDS_SHARE = 0.5
-LOOSE_AFTER_LAYERS = 4
-
-
-def scores_every_entry(n: int, device: torch.device, bounded_share: float = 0.0, bounded_layers: int = 0) -> bool:
-    """Whether stage 2 scores every one of a layer's ``n`` entries (``STAGE2_SEARCH``), where the run's
-    ``bounded_layers`` bounded layers so far scored ``bounded_share`` of their entries exactly: only ever on an
-    accelerator, where the bounded search's launches and waits for the device cost more than the norms it spares
-    in short layers and where loose bounds spare too few; on a CPU the multiply-adds are what costs, and the bounds
-    spare most of them."""
+def scores_every_entry(n: int, device: torch.device, search: Stage2Search, bounded_share: float = 0.0,
+                       bounded_layers: int = 0) -> bool:
+    """Whether stage 2 scores every one of a layer's ``n`` entries under ``search`` (``pcs.options.Stage2Search``),
+    where the prompt's ``bounded_layers`` bounded layers so far scored ``bounded_share`` of their entries exactly:
+    only ever on an accelerator, where the bounded search's launches and waits for the device cost more than the
+    norms it spares in short layers and where loose bounds spare too few; on a CPU the multiply-adds are what
+    costs, and the bounds spare most of them."""
     if not batches_rows(device):
         return False
-    if STAGE2_SEARCH == "auto":
-        loose = bounded_layers >= LOOSE_AFTER_LAYERS and bounded_share > LOOSE_BOUNDS_SHARE
-        return n < EXHAUSTIVE_BELOW_ENTRIES or loose
-    return STAGE2_SEARCH == "exhaustive"
+    if search.search == "auto":
+        loose = bounded_layers >= search.loose_after and bounded_share > search.loose_share
+        return n < search.exhaustive_below or loose
+    return search.search == "exhaustive"
 
 
-def stage2_search(n: int, device: torch.device) -> str:
-    """The search a run starts with in layers of ``n`` entries, for results rows: "exhaustive", "bounded", or
+def stage2_search(n: int, device: torch.device, search: Stage2Search) -> str:
+    """The search a prompt starts with in layers of ``n`` entries, for results rows: "exhaustive", "bounded", or
     "auto" where it bounds until the bounds prove loose (``scores_every_entry``)."""
-    if scores_every_entry(n, device):
+    if scores_every_entry(n, device, search):
         return "exhaustive"
-    return "auto" if STAGE2_SEARCH == "auto" and batches_rows(device) else "bounded"
+    return "auto" if search.search == "auto" and batches_rows(device) else "bounded"
 
 
 @dataclass(frozen=True)
@@ -267,7 +232,8 @@ class NormPlan:
     tile: int
     temporaries: int
     accelerator: bool = False
-    kernel: bool = False     # the norms from ``pcs.kernels.value_norms`` (VALUE_NORM_KERNEL, where it runs)
+    kernel: bool = False     # the norms from ``pcs.kernels.value_norms`` (``Stage2Search.value_norm_kernel``, where
+                             # it runs)
     one_reduction: bool = False   # each L1 norm one reduction (``projected_value_norms``)
 
     @property
@@ -281,7 +247,7 @@ class NormPlan:
 
 
 def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.dtype,
-              device: torch.device, l1_norm: str = "abs_sum") -> NormPlan:
+              device: torch.device, l1_norm: str = "abs_sum", kernel: bool = True) -> NormPlan:
     """The plan for a layer of ``n`` entries, its values held as ``rows`` rows of (n, d): one row at a time on a
     CPU, every row at once on an accelerator (``batches_rows``); about n / 32 entries per product (a power of
     two, at least 32; at least ``ACCELERATOR_TILE`` on an accelerator; the norms kernel's block of entries where it
@@ -289,7 +255,8 @@ def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.d
     narrower one, within half of the layer's values' bytes (on a CPU, so the temporaries stay within one layer's
     keys and values) or within ``ACCELERATOR_PRODUCT_BYTES`` (on an accelerator). Each L1 norm is one reduction on
     an accelerator, where the products' memory traffic is what costs, and on a CPU under ``l1_norm=torch_norm``
-    (``Conventions.l1_norm``). The plan follows the layer's shape, device and that convention alone: every method
+    (``Conventions.l1_norm``). ``kernel``: the norms kernel where it runs (``Stage2Search.value_norm_kernel``).
+    The plan follows the layer's shape, device, that convention and that option alone: every method
     that scores the layer under it (alone or sharing a prefill, every entry or the bounded stage 2's few) computes
     an entry's norm in the same product, the same bits."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -297,7 +264,7 @@ def norm_plan(rows: int, n: int, d: int, group: int, hidden: int, dtype: torch.d
     together, tile = 1, max(32, 1 << max(0, n // 32 - 1).bit_length())
     if batches_rows(device):
         together, budget, tile = rows, max(budget, ACCELERATOR_PRODUCT_BYTES), max(tile, ACCELERATOR_TILE)
-    kernel = VALUE_NORM_KERNEL and value_norm_kernel.available(device, d)
+    kernel = kernel and value_norm_kernel.available(device, d)
     if kernel:
         tile = value_norm_kernel.BLOCK_ENTRIES
     return NormPlan(together, min(tile, rows_per_chunk(budget, together * group * hidden, dtype)), budget,
@@ -349,8 +316,9 @@ class SharedScores:
     a run alone has none, and its stage 2 computes only the norms its bounds cannot rule out. Both give the same
     bits: the norms come from ``norm_plan``'s products, which follow the layer's shape and device alone."""
 
-    def __init__(self, values: torch.Tensor, o_proj_weight: torch.Tensor):
+    def __init__(self, values: torch.Tensor, o_proj_weight: torch.Tensor, kernel: bool = True):
         self.values, self.o_proj_weight = values, o_proj_weight     # (H_kv, n, d), (hidden, H_q * d)
+        self.kernel = kernel      # the norms kernel where it runs (``Stage2Search.value_norm_kernel``)
         self._window_means: dict[int, torch.Tensor] = {}
         self._norms: dict[tuple[int, bool], torch.Tensor] = {}
 
@@ -367,7 +335,7 @@ class SharedScores:
         n_kv, n, d = self.values.shape
         hidden, n_q = self.o_proj_weight.shape[0], self.o_proj_weight.shape[1] // d
         rows = n_q // group
-        plan = norm_plan(rows, n, d, group, hidden, self.values.dtype, self.values.device, l1_norm)
+        plan = norm_plan(rows, n, d, group, hidden, self.values.dtype, self.values.device, l1_norm, self.kernel)
         key = (group, plan.one_reduction)
         if key not in self._norms:
             together = plan.together

@@ -70,7 +70,7 @@ class WindowEviction(Method):
         else:
             stage1 = group_mean(pooled, n_kv_heads)
         ws = WindowScores(mean, pooled, stage1, values, layer.o_proj_weight, window=w, protected=self.protected(),
-                          conventions=self.conventions, shared=shared)
+                          conventions=self.conventions, shared=shared, search=layer.search, work=layer.work)
         if valid is not None:
             ws.valid = valid[:, :m]
             ws.stage1 = ws.stage1.masked_fill(~ws.valid, float("-inf"))

@@ -1,6 +1,7 @@
-"""``python -m pcs.report --results PATH --out DIR [--paper] [--resamples N --seed S]``: the paper's tables,
-significance of every selection difference, budget savings with intervals, needle heatmaps and
-perturbation-analysis figures from a results folder or a tidy CSV.
+"""The paper's tables, the significance of every selection difference, budget savings with intervals, needle
+heatmaps, RULER and ablation figures and perturbation-analysis figures, from a results folder or a tidy CSV.
+
+    python -m pcs.report --results PATH --out DIR [--paper] [--resamples N --seed S]
 
 PATH is a folder of run folders (any depth) or a CSV with columns model, method, selection, budget,
 score (and optionally domain, table), such as the paper's own numbers, shipped as
@@ -9,7 +10,6 @@ beside each measured cell. Everything lands in DIR, indexed by ``DIR/report.md``
 """
 from __future__ import annotations
 
-import argparse
 import json
 
 import pandas as pd
@@ -33,6 +33,7 @@ from .ruler import length_deltas, plain, score_intervals
 from .savings import savings
 from .significance import MIN_STRATUM, RESAMPLES, SEED, savings_intervals, significance
 from .tables import write_method_comparisons, write_tables
+from ..cli import command
 
 
 def leaf(run_dir: Path) -> str:
@@ -248,12 +249,13 @@ def build(results: Path, out: Path, with_paper: bool = False, resamples: int = R
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pcs.report", description=__doc__.splitlines()[0])
+    parser = command("pcs.report", __doc__)
     parser.add_argument("--results", type=Path, required=True, help="results folder or tidy CSV")
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="the folder the report is written to (report.md, "
+                        "tables/, figures, significance.csv, savings.csv)")
     parser.add_argument("--paper", action="store_true", help="show the paper's value and the difference per cell")
     parser.add_argument("--resamples", type=int, default=RESAMPLES, help="bootstrap resamples (default 10000)")
-    parser.add_argument("--seed", type=int, default=SEED, help="bootstrap seed")
+    parser.add_argument("--seed", type=int, default=SEED, help="bootstrap seed (default 0)")
     args = parser.parse_args(argv)
     if not args.results.exists():
         parser.error(f"--results {args.results} does not exist")

@@ -16,10 +16,10 @@ Under each table: the widest half-width, and the samples it projects for every i
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
+from ..cli import command
 
 
 def prefixes(frames: dict) -> set[str]:
@@ -35,8 +35,7 @@ def prefixes(frames: dict) -> set[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pcs.report.interim", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command("pcs.report.interim", __doc__)
     parser.add_argument("folders", type=Path, nargs="+", help="folders holding run folders (finished or not)")
     parser.add_argument("--setting", default="", help="only groups whose setting contains this text")
     parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples (default 10000)")

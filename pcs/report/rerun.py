@@ -16,9 +16,9 @@ two are equal. Exits 1 if any effect differs after the correction.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
+from ..cli import command
 
 
 KEY = ["model", "method", "budget", "conventions", "selection", "knobs", "against"]
@@ -76,8 +76,7 @@ def markdown(both) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pcs.report.rerun", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command("pcs.report.rerun", __doc__)
     parser.add_argument("ablation_csv", help="the report's ablation.csv holding both settings' effects")
     parser.add_argument("--ablation", required=True, help="the ablation's setting (ablation.csv's column)")
     parser.add_argument("--rerun", required=True, help="the rerun's setting")

@@ -1,0 +1,84 @@
+"""Every choice of how pcs computes, as opposed to what it computes: the decode pool, CUDA graphs, how far behind
+the forward a prefill compresses, and how stage 2 of perturbation selection searches for its top entries. None of
+them changes a kept entry or a score (tests hold each against its alternative); some change the time and memory a
+run takes. The defaults are written once, in the ``engine`` block of ``pcs/conf/config.yaml`` (``defaults``);
+``python -m pcs.bench`` changes them through the same object. Torch-free, so config validation and
+the bench's command line read it without loading a model.
+
+An options object is passed down explicitly (runner -> decode pool -> prefill -> compression -> selection); no
+module keeps a switch that a caller flips at run time, and nothing a process computed earlier changes how a later
+prompt is computed (stage 2's tally of how loose its bounds are is kept per prompt, ``Stage2Search``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+SEARCHES = ("auto", "bounded", "exhaustive")
+
+
+@dataclass(frozen=True)
+class Stage2Search:
+    """How stage 2 finds each head's top entries by ``A x ||v W^O_h||_1``; every search keeps the same entries.
+
+    On a CPU stage 2 always bounds the norms and scores only the entries the bounds leave: multiply-adds are what
+    cost there. On an accelerator, where each round of the bounded search costs launches and a wait for the
+    device, ``search`` chooses: ``bounded``; ``exhaustive`` (every entry's norm in one pass, no wait); or
+    ``auto``: every entry in layers shorter than ``exhaustive_below`` entries (a short layer's forward is too
+    brief to hide the bounded search's waits), bounded in longer ones, until the prompt's first ``loose_after``
+    bounded layers have left more than ``loose_share`` of their entries to score exactly, after which its later
+    layers score every entry (bounds that loose spare fewer norms than their rounds cost; how loose they are
+    follows the model and the selection's knobs, which a prompt's own first layers show).
+    ``value_norm_kernel``: on CUDA, the exact norms come from ``pcs.kernels.value_norms``'s one kernel instead of
+    batched products (the same norms to float32 rounding, each entry's bits independent of its batch)."""
+    search: str
+    exhaustive_below: int
+    loose_share: float
+    loose_after: int
+    value_norm_kernel: bool
+
+    def __post_init__(self):
+        if self.search not in SEARCHES:
+            raise ValueError(f"engine.stage2.search={self.search}: choose one of {', '.join(SEARCHES)}")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How a run's answers are computed. ``pool``: most answers decoding together (None: 32 on a CPU, 256 on
+    CUDA, fewer as free memory requires). ``cuda_graphs``: on CUDA each decoding step replays a captured graph.
+    ``stop_when_scored``: an answer ends once its score is decided (benchmarks that declare it). ``layers_behind``:
+    on CUDA, each layer is compressed this many layers behind the prefill's forward, on a stream of its own, so the
+    host's waits inside a selection overlap the forward (0: right after its own forward; each layer behind holds one
+    more full layer during the prefill); on a CPU always 0. ``stage2``: stage 2's search."""
+    pool: int | None
+    cuda_graphs: bool
+    stop_when_scored: bool
+    layers_behind: int
+    stage2: Stage2Search
+
+    @classmethod
+    def from_config(cls, engine) -> EngineOptions:
+        """From a config's ``engine`` block; a field it lacks takes the default (``defaults``)."""
+        given = dict(engine or {})
+        base = defaults() if given.keys() != {f.name for f in dataclasses.fields(cls)} else None
+        search = dict(given.pop("stage2", None) or {})
+        options = {**({} if base is None else {f.name: getattr(base, f.name) for f in dataclasses.fields(cls)}),
+                   **given}
+        options["stage2"] = Stage2Search(**{**({} if base is None else dataclasses.asdict(base.stage2)), **search})
+        return cls(**options)
+
+    def with_(self, **changes) -> EngineOptions:
+        """A copy with fields changed; ``stage2_<field>`` changes the search's."""
+        search = {k.removeprefix("stage2_"): changes.pop(k) for k in list(changes) if k.startswith("stage2_")}
+        stage2 = dataclasses.replace(self.stage2, **search) if search else self.stage2
+        return dataclasses.replace(self, **changes, stage2=stage2)
+
+
+@functools.cache
+def defaults() -> EngineOptions:
+    """The engine block of ``pcs/conf/config.yaml``, the one place the defaults are written."""
+    from omegaconf import OmegaConf
+    engine = OmegaConf.to_container(OmegaConf.load(Path(__file__).parent / "conf" / "config.yaml").engine)
+    return EngineOptions.from_config(engine)
