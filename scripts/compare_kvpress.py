@@ -36,7 +36,7 @@ def prompt_ids(context: int, vocab_size: int) -> list[int]:
 
 class PcsWorker:
     def __init__(self, model_dir: str):
-        from pcs.bench import composed
+        from pcs.bench.measure import composed
         from pcs.models import load_model
         self.compose = composed
         self.model, _ = load_model(composed(model="smollm2", **{"model.path": model_dir, "model.device": "cpu"}).model)
@@ -133,7 +133,7 @@ def configurations(methods, selections):
 
 
 def compare(args) -> list[dict]:
-    from pcs.bench import composed
+    from pcs.bench.measure import composed
     from pcs.models import weights_location
     from transformers import AutoConfig
     model_dir = weights_location(composed(model="smollm2").model)

@@ -4,7 +4,8 @@ import statistics
 
 import pytest
 
-from pcs.bench import compression_breakdown, main
+from pcs.bench.__main__ import main
+from pcs.bench.instrument import compression_breakdown
 
 FIELDS = {"model", "method", "selection", "budget", "context", "prefill_s", "decode_ms_per_token", "kv_bytes",
           "kv_bytes_full", "peak_mem_bytes", "decode_bound", "decode_speedup"}
@@ -93,7 +94,8 @@ def test_bench_decodes_pools_and_projects_a_sweep(tiny_model_dir, capsys, tmp_pa
 def test_a_presets_own_selection_keeps_the_presets_knobs():
     """The preset's perturbation row runs the preset's selection knobs (criticalkv: kvpress's CriticalKVPress), not
     the paper's defaults that ``selection=perturbation`` would put in their place."""
-    from pcs.bench import build_configurations, parse
+    from pcs.bench.__main__ import parse
+    from pcs.bench.measure import build_configurations
     built = build_configurations(parse(["--methods", "snapkv", "--selections", "perturbation", "--budgets", "128",
                                         "--presets", "criticalkv"]))
     knobs = {(c.selection, c.preset): (m.selection.alpha, m.selection.stage2_source, m.selection.epsilon,
@@ -169,7 +171,7 @@ def test_a_bench_stopped_in_its_last_round_keeps_the_rows_measured_before(tiny_m
     """A GPU lease ends a command at its time limit: every row whose last round was measured is printed already.
     Two rounds of 3 configurations; the bench is stopped at its fifth measurement (the last round's second), so
     the first configuration's row is out and no other."""
-    import pcs.bench as bench
+    import pcs.bench.measure as bench
     measure, calls = bench.measure_once, []
 
     def stopping(*args, **kwargs):
@@ -189,7 +191,7 @@ def test_compression_ops_counts_the_operations_inside_keep_that_dispatch_work():
     """``CompressionOps`` counts per ``keep`` call the operations that do work (two here: an add and a multiply),
     not views or allocations, and nothing outside ``keep``."""
     import torch
-    from pcs.bench import CompressionOps
+    from pcs.bench.instrument import CompressionOps
     from pcs.eviction.base import Method
 
     class TwoOps(Method):
@@ -211,7 +213,7 @@ def test_a_pair_whose_rounds_disagree_is_void_and_left_out_of_the_verdict():
     """A row whose median prefill lies more than VOID_SPREAD above its fastest round (an outlier among 2 rounds)
     voids its pair: the targets line names it and judges the other pairs alone. One outlier among 3 rounds leaves
     the median alone and voids nothing; rows without rounds (older files) are judged as before."""
-    from pcs.bench import VOID_SPREAD, selection_overheads, targets
+    from pcs.bench.tables import VOID_SPREAD, selection_overheads, targets
 
     def row(method, selection, rounds):
         return {"context": 8192, "method": method, "selection": selection, "budget": 1024, "preset": None,
@@ -242,7 +244,7 @@ def test_a_pair_whose_rounds_disagree_is_void_and_left_out_of_the_verdict():
 def test_decode_targets_read_only_rows_that_decoded_enough_tokens():
     """A row that decoded fewer than LEAST_DECODED_TOKENS tokens (issue 28's prefill runs decode 2) is left out of
     the decode targets, and the report says how many were; rows without the count (older files) are read."""
-    from pcs.bench import LEAST_DECODED_TOKENS, targets
+    from pcs.bench.tables import LEAST_DECODED_TOKENS, targets
 
     def row(speedup, **extra):
         return {"context": 32768, "method": "snapkv", "selection": "attention", "budget": 128, "preset": None,
@@ -262,7 +264,7 @@ def test_rows_under_auto_search_pair_with_their_attention_rows_and_say_where_eve
     """Under --stage2-search auto in long layers a perturbation row may bound some layers and score every entry of
     others (engine.stage2.loose_share): it pairs with the attention row of the same search, and the
     table says which share of its entries lay in layers scored in full."""
-    from pcs.bench import compression_label, selection_overheads
+    from pcs.bench.tables import compression_label, selection_overheads
 
     def row(selection, every=None):
         r = {"context": 32768, "method": "snapkv", "budget": 128, "preset": "criticalkv", "device": "cuda",
@@ -283,7 +285,7 @@ def test_a_pairs_verdict_reads_its_rounds_paired_in_order():
     compression after each layer (a CPU's), the whole prefills' where the compression ran behind: met or missed
     only where every round is, undecided where the target lies between rounds, and the context's line takes its
     worst pair's verdict and names the pairs not met with their rounds' range."""
-    from pcs.bench import selection_overheads, targets
+    from pcs.bench.tables import selection_overheads, targets
 
     def row(selection, prefills, compressions, budget=1024):
         return {"context": 4096, "method": "snapkv", "selection": selection, "budget": budget, "preset": None,

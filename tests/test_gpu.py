@@ -133,7 +133,7 @@ def test_cuda_compression_behind_the_forward_keeps_what_compression_after_each_l
 
 
 def test_bench_runs_long_contexts_in_bfloat16():
-    from pcs.bench import main
+    from pcs.bench.__main__ import main
     assert main(["--model", "llama31-shape", "--layers", "2", "--contexts", "8192", "--device", "cuda",
                  "--methods", "snapkv", "adakv", "--budgets", "128", "--repeats", "1", "--decode-tokens", "4"]) == 0
 

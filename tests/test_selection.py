@@ -612,7 +612,7 @@ def test_a_tie_at_the_cut_under_torch_topks_rule_is_scored_in_full(rows_together
     assert scored_in_full                  # the path ran
 
 
-# Operations one layer's compression dispatches under an accelerator's plan, at most (pcs.bench.CompressionOps: on a
+# Operations one layer's compression dispatches under an accelerator's plan, at most (pcs.bench.instrument.CompressionOps: on a
 # GPU each is a kernel launch or a copy the host issues). Measured on long_layer's shapes: 105-201 with perturbation
 # selection across the profiles and methods (how many of stage 2's rounds a layer needs depends on its scores;
 # 178-284 before accelerators skipped the certifying round, 2026-11-26), 19-43 with attention selection.
@@ -625,7 +625,7 @@ def test_one_layers_compression_dispatches_a_bounded_number_of_operations_on_acc
     compression dispatches at most MOST_OPS_ON_ACCELERATORS operations at 600, 6,000 and 30,000 tokens (no loop over
     chunks of entries, nothing per entry or per head), attention selection at most 50 (AdaKV's allocation has branches
     that depend on the scores)."""
-    from pcs.bench import CompressionOps
+    from pcs.bench.instrument import CompressionOps
     import pcs.eviction.scores as scores_module
     monkeypatch.setattr(scores_module, "batches_rows", lambda device: True)
 
@@ -654,7 +654,7 @@ def test_scoring_every_entry_on_accelerators_keeps_the_bounded_searchs_entries_i
     """engine.stage2.search=exhaustive (forced here on the CPU with an accelerator's plan): every method keeps what the
     bounded search keeps, counts every live entry as scored, never reads the device in stage 2, and dispatches far
     fewer operations than the bounded search."""
-    from pcs.bench import CompressionOps
+    from pcs.bench.instrument import CompressionOps
     import pcs.eviction.scores as scores_module
     monkeypatch.setattr(scores_module, "batches_rows", lambda device: True)
 

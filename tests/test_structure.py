@@ -12,7 +12,8 @@ TORCH_FREE = ["pcs.config", "pcs.identity", "pcs.run_folder", "pcs.report.__main
               "pcs.benchmarks.needle", "pcs.benchmarks.longbench", "pcs.benchmarks.alpacaeval",
               "pcs.benchmarks.perturbation_analysis", "pcs.plots.needle", "pcs.plots.savings",
               "pcs.plots.output_perturbation", "pcs.projection", "pcs.benchmarks.longbench_data", "pcs.status",
-              "pcs.eviction.conventions", "pcs.benchmarks.ruler"]
+              "pcs.eviction.conventions", "pcs.benchmarks.ruler", "pcs.options", "pcs.cli", "pcs.bench.tables",
+              "pcs.bench.__main__", "pcs.report.interim", "pcs.report.rerun"]
 # What benchmarks and plots must not import: the model side, the per-sample steps, the runner, the report.
 LATER_OR_MODEL = ("pcs.models", "pcs.cache", "pcs.compression", "pcs.eviction", "pcs.engine", "pcs.generate",
                   "pcs.output_perturbation", "pcs.runner", "pcs.report", "pcs.bench")

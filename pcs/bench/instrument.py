@@ -1,0 +1,190 @@
+"""What the bench measures with: peak memory (``PeakMemory``), the compression's own seconds
+(``CompressionClock``), the operations one layer's compression dispatches (``CompressionOps``: on a GPU each a
+launch or a copy the host issues), the attention calls of a decoding step, and a profile of one prefill."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..generate import greedy_generate
+
+
+class PeakMemory:
+    """Peak extra memory while active: CUDA's allocator statistics, or sampled RSS on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak, self.base = device, 0, 0
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            self.base = self.peak = self.rss()
+            self.running = True
+            self.thread = threading.Thread(target=self.sample, daemon=True)
+            self.thread.start()
+        return self
+
+    def sample(self):
+        while self.running:
+            self.peak = max(self.peak, self.rss())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self.running = False
+            self.thread.join()
+        self.extra = max(0, self.peak - self.base)
+
+
+def profile_prefill(model, method, ids, path: Path) -> float:
+    """One prefill plus compression under torch.profiler; writes its op table to ``path`` and returns
+    the share of the time spent compressing (ops under the ``pcs.compress`` label)."""
+    from torch.profiler import ProfilerActivity, profile
+    on_cuda = next(model.parameters()).device.type == "cuda"      # the prompt may still be on the host
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=activities) as prof:
+        greedy_generate(model, ids, method, 1, set())
+    averages = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in averages)
+    compress = sum(e.cpu_time_total for e in averages if e.key == "pcs.compress")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(averages.table(sort_by="self_cpu_time_total", row_limit=30)
+                    + ("\n" + averages.table(sort_by="self_cuda_time_total", row_limit=30) if on_cuda else "")
+                    + "\n" + compression_breakdown(prof.events()))
+    return compress / total if total else 0.0
+
+
+def compression_breakdown(events) -> str:
+    """What the ops inside the ``pcs.compress`` spans did, per operator: calls, kernels they launched, those kernels'
+    device time and the host's own time in the operator (the whole-prefill tables above mix them with the forward's),
+    per compressed layer; the most device time first, then the most host time (on a CPU, where there is no device)."""
+    totals: dict[str, list] = {}
+    # The host's spans only: with CUDA activity the profiler also lists each span once more as a device-side
+    # annotation, which has no operators under it and would halve the figures per layer.
+    spans = [e for e in events if e.name == "pcs.compress" and e.device_type == torch.autograd.DeviceType.CPU]
+
+    def walk(event):
+        for child in event.cpu_children:
+            calls_kernels_device_host = totals.setdefault(child.name, [0, 0, 0.0, 0.0])
+            calls_kernels_device_host[0] += 1
+            calls_kernels_device_host[1] += len(child.kernels)
+            calls_kernels_device_host[2] += child.self_device_time_total / 1000
+            calls_kernels_device_host[3] += child.self_cpu_time_total / 1000
+            walk(child)
+    for span in spans:
+        walk(span)
+    layers = max(1, len(spans))
+    lines = [f"Inside pcs.compress, per compressed layer ({len(spans)} spans): operator, calls, kernels, device ms, "
+             "host ms",
+             *(f"{name:<48} {calls / layers:8.1f} {kernels / layers:8.1f} {device / layers:9.3f} {host / layers:9.3f}"
+               for name, (calls, kernels, device, host) in sorted(totals.items(),
+                                                                  key=lambda kv: (-kv[1][2], -kv[1][3], -kv[1][0])))]
+    return "\n".join(lines) + "\n"
+
+
+ATTENTION_OP = "aten::scaled_dot_product_attention"
+CALLS_CONTEXT = 4096    # tokens of the prompt the attention calls are counted on: how many calls a decode step
+                        # makes per layer does not depend on the prompt's length, and one more prefill of 128K
+                        # tokens per configuration would cost a GPU session minutes
+
+
+def attention_calls_per_token(model, method, ids, steps: int = 4) -> float:
+    """Attention calls (all layers) per decoded token, counted by the profiler over ``steps`` decoding
+    steps: the prefill's one call per layer is subtracted. CPU events only: tracing the GPU's kernels too
+    (CUPTI) costs minutes per configuration at 128K and is not needed to count calls."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        greedy_generate(model, ids, method, steps + 1, set())
+    calls = sum(e.count for e in prof.key_averages() if e.key == ATTENTION_OP)
+    return (calls - model.config.num_hidden_layers) / steps
+
+
+# Operations that dispatch no work to a device: views, allocations, conjugation flags.
+NO_WORK_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach",
+               "resolve_conj", "resolve_neg", "alias"}
+
+
+class CompressionOps:
+    """Operations a method's compression (its ``keep``, layer by layer) dispatches while active, views and
+    allocations aside. On a GPU each is at least one kernel launch or copy the host issues, so this counts what a
+    prefill's host spends on compressing, deterministically where timings are noisy; a selection whose count grows
+    with the prompt would cost launches per token on an accelerator. Only ``keep`` runs under the counting
+    dispatch mode: the forward around it runs as it would."""
+
+    def __init__(self, method):
+        self.method, self.ops, self.layers = method, 0, 0
+
+    @property
+    def per_layer(self) -> float:
+        return self.ops / max(1, self.layers)
+
+    def __enter__(self):
+        keep = type(self.method).keep
+
+        def counted(layer):
+            self.layers += 1
+            with _OpCounter(self):
+                return keep(self.method, layer)
+        self.method.keep = counted
+        return self
+
+    def __exit__(self, *exc):
+        del self.method.keep
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self, owner: CompressionOps):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func._overloadpacket.__name__ not in NO_WORK_OPS:
+            self.owner.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+class CompressionClock:
+    """Seconds a method spends choosing what to keep (its ``keep``, layer by layer) while active: the part of the
+    prefill in which selections differ, timed by CUDA events on a GPU so that nothing waits for it."""
+
+    def __init__(self, method, device: torch.device):
+        self.method, self.device, self.spans, self.seconds = method, device, [], 0.0
+
+    def __enter__(self):
+        keep = type(self.method).keep
+
+        def timed(layer):
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                kept = keep(self.method, layer)
+                end.record()
+                self.spans.append((start, end))
+            else:
+                start = time.perf_counter()
+                kept = keep(self.method, layer)
+                self.seconds += time.perf_counter() - start
+            return kept
+        self.method.keep = timed
+        return self
+
+    def __exit__(self, *exc):
+        del self.method.keep
+        if self.spans:
+            torch.cuda.synchronize()
+            self.seconds += sum(start.elapsed_time(end) for start, end in self.spans) / 1000
