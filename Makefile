@@ -25,8 +25,9 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(PY) run.py
 
+# One worker per core (pytest-xdist): the tests are independent, and each runs single-threaded (tests/conftest.py).
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 # NVIDIA's kvpress needs transformers<5.3, so it gets its own environment for the side-by-side timing.
 $(KVPRESS_VENV)/.installed:

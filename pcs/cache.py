@@ -34,7 +34,7 @@ from .tensor_rows import rows_at
 ATTN_IMPLEMENTATION = "pcs"
 ROOM = 256   # entries reserved ahead per head when a layer moves into its buffer (it grows by half when full)
 # Decoding attends over a key length that grows by one every step. cuDNN's attention builds an execution
-# plan per new shape (measured on an H100: about 24 ms of CPU per call, a second per token for 32 layers),
+# plan per new shape (tens of milliseconds of host time per call, about a second per token for 32 layers),
 # so decoding on CUDA uses the kernels that take any length as it comes.
 DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 

@@ -242,7 +242,7 @@ def test_a_pair_whose_rounds_disagree_is_void_and_left_out_of_the_verdict():
 
 
 def test_decode_targets_read_only_rows_that_decoded_enough_tokens():
-    """A row that decoded fewer than LEAST_DECODED_TOKENS tokens (issue 28's prefill runs decode 2) is left out of
+    """A row that decoded fewer than LEAST_DECODED_TOKENS tokens (prefill-only measurements decode 2) is left out of
     the decode targets, and the report says how many were; rows without the count (older files) are read."""
     from pcs.bench.tables import LEAST_DECODED_TOKENS, targets
 

@@ -612,10 +612,10 @@ def test_a_tie_at_the_cut_under_torch_topks_rule_is_scored_in_full(rows_together
     assert scored_in_full                  # the path ran
 
 
-# Operations one layer's compression dispatches under an accelerator's plan, at most (pcs.bench.instrument.CompressionOps: on a
-# GPU each is a kernel launch or a copy the host issues). Measured on long_layer's shapes: 105-201 with perturbation
-# selection across the profiles and methods (how many of stage 2's rounds a layer needs depends on its scores;
-# 178-284 before accelerators skipped the certifying round, 2026-11-26), 19-43 with attention selection.
+# Operations one layer's compression dispatches under an accelerator's plan, at most (pcs.bench.instrument's
+# CompressionOps: on a GPU each is a kernel launch or a copy the host issues). On long_layer's shapes: 105-201 with
+# perturbation selection across the profiles and methods (how many of stage 2's rounds a layer needs depends on its
+# scores), 19-43 with attention selection.
 MOST_OPS_ON_ACCELERATORS = 220
 
 

@@ -209,8 +209,8 @@ def selection_overheads(rows: list[dict]) -> list[Overhead]:
     return [Overhead(r, attention[key(r)]) for r in rows if r["selection"] == "perturbation" and key(r) in attention]
 
 
-# The decode targets read only rows that decoded at least this many tokens: a row decoding 2 (issue 28's prefill
-# runs) times one step after the prefill's token, too short a sample of the cache's speed to judge it by.
+# The decode targets read only rows that decoded at least this many tokens: a row decoding 2 (a prefill-only
+# measurement) times one step after the prefill's token, too short a sample of the cache's speed to judge it by.
 LEAST_DECODED_TOKENS = 8
 
 

@@ -445,7 +445,7 @@ def say(text: str) -> None:
     print(f"[pcs] {text}", flush=True)
 
 
-CPU_POOL = 32          # engine.pool=null on a CPU: the size that measured best here (results/bench/README.md)
+CPU_POOL = 32          # engine.pool=null on a CPU: the fastest size in the CPU pool bench (results/bench/README.md)
 CUDA_POOL = 256        # engine.pool=null on CUDA: at most this many, as free memory allows (``admits``)
 
 

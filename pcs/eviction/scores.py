@@ -183,10 +183,7 @@ ACCELERATOR_PRODUCT_BYTES = 1 << 30
 # Entries per batched product there, at least: the bounded stage 2's first round then scores a row's whole pool (2k
 # entries, at least k + 256) in one product up to k = 512, and rarely needs another round, each of which costs
 # launches and a wait. The norms kernel has no tile to fill: its plan's tile is its block of entries, so the first
-# round scores k + max(k / 8, 32) rounded up to 64, not the pool. Replayed with an accelerator's plan on this CPU,
-# that cut the exact norms from 8.1 % to 3.2 % of the entries on the embedded model's layers at budget 128 (SnapKV, a
-# random 4K prompt), 30.8 % to 22.6 % for AdaKV at 1,024, and 4.0 % to 2.7 % on two layers of Llama-3.1-8B's shapes
-# (random weights, 8K) at 128, with the same device reads; at 1,024 and under criticalkv's knobs no change there.
+# round scores k + max(k / 8, 32) rounded up to its block, not the pool, and computes fewer exact norms.
 ACCELERATOR_TILE = 1024
 
 
@@ -239,10 +236,9 @@ class NormPlan:
     @property
     def certifies(self) -> bool:
         """Whether the bounded stage 2 keeps entries on a lower bound of their norms, without their exact score
-        (its round 0): on a CPU, where it spares exact norms (about a tenth of the entries at budget 1,024 on the
-        embedded model, results/bench/README.md); not on an accelerator, where the round's sixty-odd launches and
-        its wait for the device cost more than the exact norms it spares, and where with Llama-3.1-8B's shapes
-        (random weights) it kept no entry."""
+        (its round 0): on a CPU, where it spares exact norms (docs/findings.md, stage 2's search); not on an
+        accelerator, where the round's sixty-odd launches and its wait for the device cost more than the exact norms
+        it spares."""
         return not self.accelerator
 
 

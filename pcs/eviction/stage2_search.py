@@ -67,15 +67,11 @@ class Stage2Work:
 
 # Stage 2's first round, per KV head with k entries to choose: its best POOL x k entries (at least k + 256) by the
 # d-multiply-add bound get the d^2 bound, and its best k + max(k / 8, 32) of those by that bound their exact norm.
-# On the embedded model's layers (4,096 tokens, results/bench/README.md) the exact top k lay within 1.2-1.5 k
-# entries of the d^2 bound's order at the median and within 1.6-2.4 k of the d bound's (6-7 k for the released
-# code's flatter scores at budget 1,024); later rounds bound and score whatever the first could not rule out.
+# On real layers the exact top k lies within about 1.5 k entries of the d^2 bound's order and about 2.5 k of the d
+# bound's (docs/findings.md, stage 2's search); later rounds bound and score whatever the first could not rule out.
 POOL = 2
 # On an accelerator, 4 x k: the d^2 bound costs little there beside a round's launches and wait, and the wider pool
-# spares the d^2 round outside it. With the accelerator's plan on this CPU: device reads per layer 2.13-2.17 -> 2.03
-# at budget 1,024 on the embedded model's essay layers, and 3 -> 2 on a random layer of Llama-3.1-8B's shapes at
-# 8,192 tokens (322 -> 271 operations), exact norms for about as many entries (25.4 % both for SnapKV, 24.2 % -> 25.5 %
-# for AdaKV on the essay); d^2 bounds for 73 % of the entries instead of 38 %.
+# spares most second rounds (one device read fewer per layer for about as many exact norms).
 ACCELERATOR_POOL = 4
 
 

@@ -21,13 +21,9 @@ import functools
 
 import torch
 
-# One configuration, never tuned per call: another block shape could change an entry's bits. Chosen on an H200
-# (2026-11-26, ninth session, scripts/value_norm_blocks.py, results/bench/value_norm_blocks_NVIDIA_H200.jsonl): of
-# 24 configurations on one layer of Llama-3.1-8B's shapes, the fastest at 8,192 entries (0.498 ms, 552 TFLOP/s,
-# against 0.702 ms for the earlier 64 x 128 with 4 warps) and the second at 2,048 (0.199 ms against 0.225 ms).
-# The GPU tests of the kernel and of stage 2 passed under it (-k "value_norm_kernel or bounded_stage2 or
-# syncs_a_constant or scoring_every", 26 tests: its norms, an entry's bits in any set, the bounded stage 2 equal to
-# the exhaustive one); the rest of tests/test_gpu.py has not run under it.
+# One configuration, never tuned per call: another block shape could change an entry's bits. It was the fastest of
+# 24 block shapes timed on one layer of Llama-3.1-8B's shapes at 8,192 entries (docs/findings.md, GPU prefill;
+# results/bench/value_norm_blocks_NVIDIA_H200.jsonl), and tests/test_gpu.py holds its norms and bits.
 BLOCK_ENTRIES = 128    # value rows per program
 BLOCK_OUTPUTS = 64     # columns of W^O_h per step of a program's loop
 NUM_WARPS = 8          # Triton's launch options

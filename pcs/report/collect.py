@@ -10,6 +10,7 @@ their benchmark and model knobs.
 """
 from __future__ import annotations
 
+import functools
 import json
 from importlib import resources
 from pathlib import Path
@@ -80,7 +81,7 @@ def run_folders(path: Path, benchmark: str | None = None) -> list[Path]:
 
 
 def finished_folders(path: Path) -> list[Path]:
-    every = [m.parent for m in sorted(path.rglob("metrics.json")) if (m.parent / "config.yaml").exists()]
+    every = [m.parent for m in sorted(Path(path).rglob("metrics.json")) if (m.parent / "config.yaml").exists()]
     left_out = {folder for _, others in same_cells(path) for folder in others}
     return [folder for folder in every if folder not in left_out]
 
@@ -89,10 +90,19 @@ def same_cells(path: Path) -> list[tuple[Path, list[Path]]]:
     """Finished runs of one cell found in more than one folder under ``path`` (a run of the default beside the
     committed reference runs, say): per cell, the run the report uses and those it leaves out. It uses the run
     with the most samples, the one that finished last among those, so a comparison never counts a cell twice."""
+    finished = tuple((str(m), m.stat().st_mtime_ns) for m in sorted(Path(path).rglob("metrics.json"))
+                     if (m.parent / "config.yaml").exists())
+    return _same_cells(finished)
+
+
+@functools.lru_cache(maxsize=8)
+def _same_cells(finished: tuple[tuple[str, int], ...]) -> list[tuple[Path, list[Path]]]:
+    """``same_cells`` of the finished runs' metrics files (paths and modification times: read again when they
+    change); a report asks once per section."""
     cells: dict[str, list[Path]] = {}
-    for metrics in sorted(Path(path).rglob("metrics.json")):
-        if (metrics.parent / "config.yaml").exists():
-            cells.setdefault(RunIdentity(saved_config(metrics.parent)).folder, []).append(metrics.parent)
+    for metrics, _ in finished:
+        folder = Path(metrics).parent
+        cells.setdefault(RunIdentity(saved_config(folder)).folder, []).append(folder)
 
     def preference(folder: Path):
         metrics = json.loads((folder / "metrics.json").read_text())
