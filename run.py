@@ -6,17 +6,15 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
 from pcs.benchmarks.base import checked_benchmark
-from pcs.config import validate
 from pcs.errors import ConfigError
 
 
 @hydra.main(version_base="1.3", config_path="pcs/conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
-        validate(cfg)                  # before torch and transformers load: a user's error is reported at once
-        checked_benchmark(cfg)         # its knobs and data, as fast
+        benchmark = checked_benchmark(cfg)   # before torch and transformers load: a user's error is reported at once
         from pcs.runner import run
-        run(cfg)
+        run(cfg, benchmark)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

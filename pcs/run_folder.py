@@ -215,3 +215,99 @@ def working(out_dir: Path):
         raise
     finally:
         (Path(out_dir) / RUNNING).unlink(missing_ok=True)
+
+
+class RunFolder:
+    """One run's folder as a job sees it, and every read and write the job makes there: its config (created or
+    checked), the lock that keeps a second job out of the part this job writes (the run's folder, or its shard's),
+    the markers ``pcs.status`` reads, answers taken from a run beside it, resuming, each finished row streamed to
+    disk as it lands, the merge of every shard's rows once all samples are answered, and the predictions and
+    metrics written last. ``shard=(index, count)``: the part of the samples this job answers."""
+
+    def __init__(self, path: Path, shard: tuple[int, int] = (0, 1)):
+        self.path = Path(path)
+        self.index, self.count = shard
+        self.out_dir = self.path if self.count == 1 else shard_dir(self.path, self.index, self.count)
+        self.rows: list[dict] = []     # every finished row of the run: this job's and any other's
+        self.done: set[str] = set()   # their ids as this job resumed
+        self._out = None
+
+    @property
+    def finished(self) -> bool:
+        return is_finished(self.path)
+
+    def metrics(self) -> dict:
+        return json.loads((self.path / "metrics.json").read_text())
+
+    def create(self, saved_config: str) -> None:
+        """The folder with its config, or a check that it holds this run (``prepare``)."""
+        prepare(self.path, saved_config)
+
+    @contextmanager
+    def claimed(self):
+        """Yields whether this job holds its part of the folder (its lock); while it does, the part says who
+        works in it (``working``) once ``work`` is entered."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with exclusive(self.out_dir) as mine:
+            yield mine
+
+    def working(self):
+        return working(self.out_dir)
+
+    def note_samples(self, n_samples: int) -> None:
+        note_samples(self.path, n_samples)
+
+    def take_answers(self, rows: list[dict], source: Path) -> None:
+        """Rows answered by the run at ``source`` (the same run on other samples), as this job's own."""
+        write_rows_atomic(self.out_dir / "predictions.jsonl", rows)
+        write_json_atomic(self.out_dir / ANSWERS_FROM, {"run": Path(source).name, "rows": len(rows)})
+
+    @contextmanager
+    def appending(self, n_samples: int):
+        """This job's predictions file open for new rows (``append``), with every row the run holds (its own and
+        its shards') read into ``rows`` and ``done``."""
+        predictions_file = self.out_dir / "predictions.jsonl"
+        self.rows = all_rows(self.path)
+        self.done = {row["id"] for row in self.rows}
+        if self.done:
+            print(f"[pcs] resuming {self.path}: {len(self.done)} of {n_samples} samples already done")
+        # Drop a torn last line before appending. The rewrite is on disk before the first new row: rewritten
+        # through the appending handle, rows past its buffer would stay in memory until the run's next row, and a
+        # kill before that (the run already had them) would lose them.
+        write_rows_atomic(predictions_file, read_rows(predictions_file))
+        with predictions_file.open("a", encoding="utf-8") as self._out:
+            yield self
+        self._out = None
+
+    def append(self, row: dict) -> None:
+        """A finished answer, on disk before the next one (a kill loses none already written)."""
+        self._out.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self._out.flush()
+        self.rows.append(row)
+
+    def merge(self, sample_ids: set[str], summarize) -> dict | None:
+        """The run's metrics if every sample of it is done (its shards' rows included): ``summarize(self)``, which
+        writes them (``finish``), else None. With shards each finishing job waits for the run-level lock and reads
+        the rows again under it, so whichever sees them all writes the metrics: a shard that found the lock taken
+        and left could leave a finished run unmerged (the holder read before its last row landed)."""
+        with ExitStack() as held:
+            if self.count > 1:
+                held.enter_context(exclusive(self.path, wait=True))
+            if self.finished:
+                return self.metrics()
+            self.rows = all_rows(self.path)
+            missing = set(sample_ids) - {row["id"] for row in self.rows}
+            if missing:
+                print(f"[pcs] shard {self.index} of {self.count} of {self.path} is done; "
+                      f"{len(sample_ids) - len(missing)} of {len(sample_ids)} samples are, the rest is other shards'")
+                return None
+            return summarize(self)
+
+    def write_predictions(self, rows: list[dict]) -> None:
+        """The run's rows, every shard's, in sample order, in its own predictions.jsonl."""
+        self.rows = rows
+        write_rows_atomic(self.path / "predictions.jsonl", rows)
+
+    def write_metrics(self, metrics: dict) -> None:
+        """metrics.json, written last and atomically: its presence is what says the run is finished."""
+        write_json_atomic(self.path / "metrics.json", metrics)

@@ -1,21 +1,20 @@
-"""Runs: validate, resume or start each run folder, run every sample through the benchmark's step (once for
-a group of runs that share their prefills), score, summarise. The only module that joins the stages:
-config -> model + method -> samples -> step (generate or measure) -> predictions -> metrics."""
+"""Runs: resume or start each run folder, run every sample through the benchmark's step (once for a group of runs
+that share their prefills), score, summarise. The only module that joins the stages:
+config -> model + method -> samples -> step (generate or measure) -> predictions -> metrics.
+A run's folder is ``pcs.run_folder.RunFolder``'s: the runner streams rows into it and asks it to merge."""
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import time
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from .benchmarks.base import build_benchmark, checked_benchmark
-from .config import validate
 from .engine import DoesNotFit, open_pool
 from .eviction import build_method
 from .generate import RunContext, generate_rows
@@ -24,9 +23,8 @@ from .models import load_model, stop_token_ids
 from .options import EngineOptions
 from .output_perturbation import perturbation_row
 from .provenance import now, provenance
-from .run_folder import (ANSWERS_FROM, all_rows, answers_taken, exclusive, in_shard, is_finished, left_alone,
-                         note_samples, prepare, read_rows, same_but_for_the_samples, sample_choice, saved_config,
-                         shard_dir, working, write_json_atomic, write_rows_atomic)
+from .run_folder import (RunFolder, all_rows, answers_taken, in_shard, is_finished, left_alone,
+                         same_but_for_the_samples, sample_choice, saved_config)
 from .tracking import log_run
 
 
@@ -47,68 +45,70 @@ STEPS = {"generate": generate_rows, "output_perturbation": each_cell(perturbatio
 
 @dataclass
 class Cell:
-    """One run of a group: its config, identity, benchmark, methods and, once started, its folder's rows."""
+    """One run of a group: its config, identity, benchmark, methods and its folder."""
     cfg: DictConfig
     identity: RunIdentity
     benchmark: object
     methods: dict
-    run_dir: Path
-    rows: list = field(default_factory=list)       # every finished row of the run, this shard's and the others'
-    done: set = field(default_factory=set)        # their ids, as the invocation started
-    out: object = None
-    out_dir: Path | None = None                   # where this job writes its rows: the run folder or its shard's
+    folder: RunFolder
     context: RunContext | None = None
 
+    @property
+    def run_dir(self) -> Path:
+        return self.folder.path
 
-def run(cfg: DictConfig) -> dict | None:
-    """Run (or resume, or skip) the configured cell; returns its metrics."""
-    return run_cells([cfg])[0]
+
+def run(cfg: DictConfig, benchmark=None) -> dict | None:
+    """Run (or resume, or skip) the configured cell; returns its metrics. ``benchmark``: the run's benchmark as
+    ``checked_benchmark`` gave it, where the caller has checked the config already (``run.py``)."""
+    return run_cells([cfg], benchmarks=None if benchmark is None else [benchmark])[0]
 
 
-def checked(cfg: DictConfig) -> Cell:
-    """A cell whose config, benchmark data and method knobs are valid (ConfigError otherwise): before any model loads."""
-    validate(cfg)
-    benchmark = checked_benchmark(cfg)
+def new_cell(cfg: DictConfig, benchmark, shard: tuple[int, int]) -> Cell:
+    """A run of a group, its methods built (each checks its own knobs: still before any model loads)."""
     methods = {key: build_method(variant) for key, variant in benchmark.variants().items()}
     identity = RunIdentity(cfg)
-    return Cell(cfg, identity, benchmark, methods, Path(cfg.results_dir) / identity.folder)
+    return Cell(cfg, identity, benchmark, methods, RunFolder(Path(cfg.results_dir) / identity.folder, shard))
 
 
-def run_cells(cfgs: list[DictConfig], shard: tuple[int, int] = (0, 1)) -> list[dict | None]:
+def run_cells(cfgs: list[DictConfig], shard: tuple[int, int] = (0, 1), benchmarks: list | None = None,
+              checked: bool = False) -> list[dict | None]:
     """Run (or resume, or skip) cells that differ only in what is chosen from a prefill (one
     ``RunIdentity.prefill_key``): the model loads once and each sample is prefilled once for every cell
     that still needs it. Each cell writes its own folder, as a run of its own would. ``shard=(index, count)``:
     only the samples of that shard (``pcs.run_folder``), written in the shard's own folder under its own lock;
     the run's predictions.jsonl and metrics.json are written once every sample of it is done, by whichever job
-    finds it so. Returns each cell's metrics (None: another job holds its folder, or other shards are not done)."""
-    index, count = shard
-    cells = [checked(cfg) for cfg in cfgs]
+    finds it so. Returns each cell's metrics (None: another job holds its folder, or other shards are not done).
+    The configs are checked here once (``checked_benchmark``: ConfigError before any model loads), unless the
+    caller did: ``benchmarks``, the checked benchmarks, or ``checked``, configs checked when a sweep was submitted."""
+    if benchmarks is None:
+        benchmarks = [build_benchmark(cfg) if checked else checked_benchmark(cfg) for cfg in cfgs]
+    cells = [new_cell(cfg, benchmark, shard) for cfg, benchmark in zip(cfgs, benchmarks)]
     if len({cell.identity.prefill_key for cell in cells}) > 1:
         raise ValueError("cells of one group must differ only in " + ", ".join(PER_CELL))
     results: dict[int, dict | None] = {}
     with ExitStack() as held:
         todo: list[tuple[int, Cell]] = []
-        for i, cell in enumerate(cells):
-            if cell.run_dir in {c.run_dir for _, c in todo}:   # the same run twice (knobs it does not read)
+        for i, c in enumerate(cells):
+            folder = c.folder
+            if folder.path in {t.run_dir for _, t in todo}:   # the same run twice (knobs it does not read)
                 results[i] = None
                 continue
-            if is_finished(cell.run_dir):
-                results[i] = finished(cell.run_dir)
+            if folder.finished:
+                results[i] = finished(folder)
                 continue
-            prepare(cell.run_dir, cell.identity.saved_config)
-            cell.out_dir = cell.run_dir if count == 1 else shard_dir(cell.run_dir, index, count)
-            cell.out_dir.mkdir(parents=True, exist_ok=True)
-            if not held.enter_context(exclusive(cell.out_dir)):
-                print(f"[pcs] another job is running {cell.out_dir}; leaving it to that job")
+            folder.create(c.identity.saved_config)
+            if not held.enter_context(folder.claimed()):
+                print(f"[pcs] another job is running {folder.out_dir}; leaving it to that job")
                 results[i] = None
-            elif is_finished(cell.run_dir):
-                results[i] = finished(cell.run_dir)
+            elif folder.finished:
+                results[i] = finished(folder)
             else:
-                todo.append((i, cell))
+                todo.append((i, c))
         if todo:
-            for _, cell in todo:
-                held.enter_context(working(cell.out_dir))
-            results.update(zip([i for i, _ in todo], execute([cell for _, cell in todo], shard)))
+            for _, c in todo:
+                held.enter_context(c.folder.working())
+            results.update(zip([i for i, _ in todo], execute([c for _, c in todo], shard)))
     return [results[i] for i in range(len(cells))]
 
 
@@ -122,9 +122,9 @@ def interleaved(samples: list) -> list:
     return [s for turn in itertools.zip_longest(*strata.values()) for s in turn if s is not None]
 
 
-def finished(run_dir: Path) -> dict:
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    print(f"[pcs] already finished: {run_dir} (score {score_text(metrics['score'])}); nothing to do")
+def finished(folder: RunFolder) -> dict:
+    metrics = folder.metrics()
+    print(f"[pcs] already finished: {folder.path} (score {score_text(metrics['score'])}); nothing to do")
     return metrics
 
 
@@ -148,7 +148,7 @@ def execute(cells: list[Cell], shard: tuple[int, int] = (0, 1)) -> list[dict | N
 
     def requests():
         for sample in mine:
-            asked[sample.id] = [cell for cell in cells if sample.id not in cell.done]
+            asked[sample.id] = [cell for cell in cells if sample.id not in cell.folder.done]
             if asked[sample.id]:
                 prompt = first.benchmark.encode(sample, tokenizer, first.cfg.model)
                 yield sample, prompt, [cell.context for cell in asked[sample.id]]
@@ -156,12 +156,12 @@ def execute(cells: list[Cell], shard: tuple[int, int] = (0, 1)) -> list[dict | N
     with ExitStack() as files:
         for cell in cells:
             cell.context = RunContext(model, tokenizer, cell.methods, stops, cell.cfg, cell.benchmark)
-            note_samples(cell.run_dir, len(samples))
+            cell.folder.note_samples(len(samples))
             grow(cell, samples, tokenizer, shard, own={c.run_dir for c in cells})
-            cell.out = files.enter_context(resumed(cell, len(samples)))
+            files.enter_context(cell.folder.appending(len(samples)))
         speed = Throughput(pool)
         name = first.identity.folder if len(cells) == 1 else f"{len(cells)} runs sharing each prefill"
-        todo = sum(len({s.id for s in mine} - cell.done) for cell in cells)
+        todo = sum(len({s.id for s in mine} - cell.folder.done) for cell in cells)
         bar = tqdm(total=todo, desc=name, disable=not first.cfg.progress, unit="answer", dynamic_ncols=True)
         try:
             for sample, index, output in step(requests(), pool):
@@ -169,9 +169,7 @@ def execute(cells: list[Cell], shard: tuple[int, int] = (0, 1)) -> list[dict | N
                 score = cell.benchmark.score({**output, **sample.meta})
                 row = {"id": sample.id, "prediction": output.pop("prediction"), "score": score, **output,
                        **sample.meta}
-                cell.out.write(json.dumps(row, ensure_ascii=False) + "\n")
-                cell.out.flush()
-                cell.rows.append(row)
+                cell.folder.append(row)
                 bar.update(1)
                 bar.set_postfix_str(speed.add(row), refresh=False)
         except DoesNotFit as err:
@@ -185,8 +183,9 @@ def execute(cells: list[Cell], shard: tuple[int, int] = (0, 1)) -> list[dict | N
 
     def used_by(c: Cell) -> dict:     # the pool is the group's; when answers stop, each cell's own config says
         return {**engine_used, "stop_when_scored": EngineOptions.from_config(c.cfg.get("engine")).stop_when_scored}
-    return [merged(cell, samples, shard, lambda c: summarize(c, model, started_at, wall_time_s, len(cells), order,
-                                                            used_by(c), shard[1]))
+    ids = {sample.id for sample in samples}
+    return [cell.folder.merge(ids, lambda _, c=cell: summarize(c, model, started_at, wall_time_s, len(cells), order,
+                                                                 used_by(c), shard[1]))
             for cell in cells]
 
 
@@ -204,26 +203,6 @@ def advice(err: DoesNotFit, cell: Cell, pool) -> str:
             f"{err.stage}). Every answer finished before it is saved, and a rerun resumes from them. It was tried "
             f"alone (engine.pool={pool.size} had gone down to {pool.limit} in flight and its buffers were freed), so "
             f"a smaller pool will not make it fit; what would: " + "; ".join(fixes) + ".")
-
-
-def merged(cell: Cell, samples: list, shard: tuple[int, int], summary) -> dict | None:
-    """The run's metrics if every sample of it is done (its shards' rows included), else None. With shards each
-    finishing job waits for the run-level lock and reads the rows again under it, so whichever sees them all
-    writes the metrics: a shard that found the lock taken and left could leave a finished run unmerged (the
-    holder read before its last row landed)."""
-    index, count = shard
-    with ExitStack() as held:
-        if count > 1:
-            held.enter_context(exclusive(cell.run_dir, wait=True))
-        if is_finished(cell.run_dir):
-            return json.loads((cell.run_dir / "metrics.json").read_text())
-        cell.rows = all_rows(cell.run_dir)
-        missing = {s.id for s in samples} - {row["id"] for row in cell.rows}
-        if missing:
-            print(f"[pcs] shard {index} of {count} of {cell.run_dir} is done; {len(samples) - len(missing)} of "
-                  f"{len(samples)} samples are, the rest is other shards'")
-            return None
-        return summary(cell)
 
 
 def grow(cell: Cell, samples: list, tokenizer, shard: tuple[int, int] = (0, 1), own: set[Path] = frozenset()) -> None:
@@ -249,37 +228,19 @@ def grow(cell: Cell, samples: list, tokenizer, shard: tuple[int, int] = (0, 1), 
             same = {sample.id for sample in theirs if mine.get(sample.id) == sample}
             rows = [row for row in all_rows(other) if row["id"] in same]
         if rows:
-            write_rows_atomic(cell.out_dir / "predictions.jsonl", rows)
-            write_json_atomic(cell.out_dir / ANSWERS_FROM, {"run": other.name, "rows": len(rows)})
+            cell.folder.take_answers(rows, other)
             knobs = " ".join(f"{k}={v}" for k, v in choice.items())
-            print(f"[pcs] {cell.out_dir}: {len(rows)} of {len(mine)} samples answered by {other.name} (the same "
+            print(f"[pcs] {cell.folder.out_dir}: {len(rows)} of {len(mine)} samples answered by {other.name} (the same "
                   f"run on {knobs}); the rest is new")
             return
-
-
-@contextmanager
-def resumed(cell: Cell, n_samples: int):
-    """This job's predictions file (the run's, or its shard's), open for appending, with every row the run holds
-    (its own and its shards') read into the cell."""
-    predictions_file = cell.out_dir / "predictions.jsonl"
-    cell.rows = all_rows(cell.run_dir)
-    cell.done = {row["id"] for row in cell.rows}
-    if cell.done:
-        print(f"[pcs] resuming {cell.run_dir}: {len(cell.done)} of {n_samples} samples already done")
-    # Drop a torn last line before appending. The rewrite is on disk before the first new row: rewritten through
-    # the appending handle, rows past its buffer would stay in memory until the run's next row, and a kill before
-    # that (the run already had them) would lose them.
-    write_rows_atomic(predictions_file, read_rows(predictions_file))
-    with predictions_file.open("a", encoding="utf-8") as out:
-        yield out
 
 
 def summarize(cell: Cell, model, started_at: str, wall_time_s: float, group_size: int, order: dict,
               engine: dict, shards: int = 1) -> dict:
     """A finished cell's predictions in sample order, its metrics.json (written last), its per-run outputs, its
     tracker entry."""
-    rows = cell.rows = sorted(cell.rows, key=lambda row: order.get(row["id"], len(order)))
-    write_rows_atomic(cell.run_dir / "predictions.jsonl", rows)
+    rows = sorted(cell.folder.rows, key=lambda row: order.get(row["id"], len(order)))
+    cell.folder.write_predictions(rows)
     metrics = cell.benchmark.metrics(rows)
     metrics.update({
         "n_samples": len(rows),
@@ -289,7 +250,7 @@ def summarize(cell: Cell, model, started_at: str, wall_time_s: float, group_size
         **({"max_kv_entries": max(r["max_kv_entries"] for r in rows),
             "n_compressions": sum(r["n_compressions"] for r in rows)} if "max_kv_entries" in rows[0] else {}),
         "wall_time_s": wall_time_s,                 # of the whole group, in this invocation
-        "n_resumed": len(cell.done),                # samples answered by earlier invocations (not in wall_time_s)
+        "n_resumed": len(cell.folder.done),                # samples answered by earlier invocations (not in wall_time_s)
         "group_size": group_size,                   # runs that shared the model and each sample's prefill
         "engine": engine,                           # how answers decoded (execution: not part of the run's identity)
         "shards": shards,                           # jobs the samples were split over (this invocation's count)
@@ -297,7 +258,7 @@ def summarize(cell: Cell, model, started_at: str, wall_time_s: float, group_size
         **provenance(cell.cfg, model, started_at, cell.benchmark.data_hashes()),
     })
     cell.benchmark.finish(rows, metrics, cell.run_dir)
-    write_json_atomic(cell.run_dir / "metrics.json", metrics)
+    cell.folder.write_metrics(metrics)
     log_run(cell.cfg, cell.identity.folder, cell.run_dir, metrics)
     print_summary(cell.run_dir, metrics)
     return metrics

@@ -4,7 +4,6 @@ import os
 import resource
 import subprocess
 import sys
-from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -170,11 +169,12 @@ def test_resuming_puts_every_done_row_on_disk_before_the_first_new_one(tmp_path)
     rows = [{"id": f"s{i}", "prediction": "x" * 450, "score": 100.0} for i in range(60)]
     path = tmp_path / "predictions.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"id": "s60", "predic')
-    cell = SimpleNamespace(run_dir=tmp_path, out_dir=tmp_path)
-    with pcs.runner.resumed(cell, 100) as out:
+    from pcs.run_folder import RunFolder
+    folder = RunFolder(tmp_path)
+    with folder.appending(100) as out:
         on_disk = [json.loads(line) for line in path.read_text().splitlines()]
-        assert on_disk == rows and cell.done == {r["id"] for r in rows}
-        out.write(json.dumps({"id": "s60"}) + "\n")
+        assert on_disk == rows and folder.done == {r["id"] for r in rows}
+        out.append({"id": "s60"})
     assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == [f"s{i}" for i in range(61)]
 
 

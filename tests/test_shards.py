@@ -199,13 +199,13 @@ def test_shards_writing_one_file_at_once_each_replace_it_whole(tmp_path):
 
 def test_two_shards_finishing_at_once_leave_the_run_merged(tmp_path):
     """Shard A holds the run lock and has read the rows before shard B's last row landed; B, finishing a moment
-    later, must wait for the lock and merge (the run was once left with every row and no metrics: B found the
-    lock taken and left, and A found B's sample missing)."""
+    later, must wait for the lock and merge (were B to leave on finding the lock taken, the run would hold every
+    row and no metrics: A found B's sample missing)."""
     import multiprocessing
-    import types
-    from pcs.runner import merged
+    import pcs.run_folder
+    from pcs.run_folder import RunFolder
     run_dir = tmp_path / "run"
-    samples = [types.SimpleNamespace(id=str(i)) for i in range(4)]
+    samples = {str(i) for i in range(4)}
 
     def write(k, ids):
         (run_dir / "shards" / f"{k}-of-2").mkdir(parents=True, exist_ok=True)
@@ -219,22 +219,21 @@ def test_two_shards_finishing_at_once_leave_the_run_merged(tmp_path):
 
     def shard_a():
         import time
-        original = pcs.runner.all_rows
+        original = pcs.run_folder.all_rows
 
         def slow(path):
             rows = original(path)
             read.set()
             time.sleep(1.0)               # still under the lock when B finishes
             return rows
-        pcs.runner.all_rows = slow
-        results.put(("A", merged(types.SimpleNamespace(run_dir=run_dir, rows=[]), samples, (0, 2),
-                                 lambda cell: len(cell.rows))))
+        pcs.run_folder.all_rows = slow
+        results.put(("A", RunFolder(run_dir, (0, 2)).merge(samples, lambda folder: len(folder.rows))))
 
     a = context.Process(target=shard_a)
     a.start()
     assert read.wait(30)
     write(1, [3])                         # B's last row lands after A read the rows
-    got_b = merged(types.SimpleNamespace(run_dir=run_dir, rows=[]), samples, (1, 2), lambda cell: len(cell.rows))
+    got_b = RunFolder(run_dir, (1, 2)).merge(samples, lambda folder: len(folder.rows))
     a.join(30)
     assert results.get(timeout=5) == ("A", None) and got_b == 4
 

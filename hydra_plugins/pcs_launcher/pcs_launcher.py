@@ -91,7 +91,7 @@ def check_benchmarks(cfgs: list[DictConfig]) -> None:
     which only shows the plan, wherever the data is)."""
     try:
         for cfg in cfgs:
-            checked_benchmark(cfg)
+            checked_benchmark(cfg, validated=True)      # the plan validated each config
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -107,7 +107,7 @@ def run_group(cfgs: list[DictConfig], overrides: list[Sequence[str]], shard=(0, 
     reports it at the end)."""
     from pcs.runner import run_cells   # torch: only where the runs execute
     try:
-        return returns(cfgs, overrides, JobStatus.COMPLETED, run_cells(cfgs, tuple(shard)))
+        return returns(cfgs, overrides, JobStatus.COMPLETED, run_cells(cfgs, tuple(shard), checked=True))
     except Exception as err:  # noqa: BLE001 - as Hydra's run_job: recorded, raised by the sweeper
         traceback.print_exc()
         return returns(cfgs, overrides, JobStatus.FAILED, [err] * len(cfgs))

@@ -95,15 +95,19 @@ def build_benchmark(cfg: DictConfig) -> Benchmark:
     return load_class("benchmark", cfg.benchmark.name)(cfg)
 
 
-def checked_benchmark(cfg: DictConfig) -> Benchmark:
-    """The run's benchmark with its knobs and data checked, and the run config of each of its variants
-    validated: torch-free, so a missing file or a bad knob is reported in a second, before any model loads
-    or any job is submitted (``ConfigError``, saying what to do)."""
+def checked_benchmark(cfg: DictConfig, validated: bool = False) -> Benchmark:
+    """The run's config validated (unless ``validated``: a sweep's plan did it), its benchmark with its knobs and
+    data checked, and the run config of each of its other variants validated: torch-free, so a missing file or a
+    bad knob is reported in a second, before any model loads or any job is submitted (``ConfigError``, saying
+    what to do). The one check a run's config passes; the runner takes the benchmark it returns."""
+    if not validated:
+        validate(cfg)
     benchmark = build_benchmark(cfg)
     try:
         benchmark.check()
         for variant in benchmark.variants().values():
-            validate(variant)
+            if variant is not cfg:
+                validate(variant)
     except (ValueError, FileNotFoundError) as err:   # missing data, a malformed line, a bad option
         raise ConfigError(str(err)) from err
     return benchmark
