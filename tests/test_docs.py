@@ -38,6 +38,10 @@ def commands(path: Path) -> list[str]:
 
 
 DOCUMENTED = [(str(path.relative_to(ROOT)), command) for path in DOCUMENTS for command in commands(path)]
+# Each distinct command once, with every place that gives it (the same SLURM launch recurs across pages).
+PLACES: dict[str, list[str]] = {}
+for _where, _command in DOCUMENTED:
+    PLACES.setdefault(_command, []).append(_where)
 
 
 def test_the_docs_give_commands_to_check():
@@ -49,16 +53,61 @@ def test_the_docs_give_commands_to_check():
     assert len({p for p, _ in DOCUMENTED}) >= 5
 
 
-@pytest.mark.parametrize("where, command", DOCUMENTED, ids=[f"{p}: {c[:80]}" for p, c in DOCUMENTED])
-def test_a_documented_command_composes(where, command):
+# Runs run.py's own entry point once per sweep command in one process (Hydra's global state cleared between), so
+# the imports are paid once: each command prints its config and its launcher's dry run, and reports its exit code.
+DRIVER = """
+import contextlib, io, json, runpy, sys
+from hydra.core.global_hydra import GlobalHydra
+for argv in json.loads(sys.argv[1]):
+    sys.argv, err, code = ["run.py", *argv], io.StringIO(), 0
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path("run.py", run_name="__main__")
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else 1
+        except Exception as error:
+            code, _ = 1, err.write(repr(error))
+    GlobalHydra.instance().clear()
+    print(json.dumps([code, err.getvalue()[-2000:]]), flush=True)
+"""
+SWEEPS = [c for c in PLACES if any(a in ("-m", "--multirun") for a in shlex.split(c))]
+
+
+def shown(command: str) -> list[str]:
     args = shlex.split(command)[2:]
-    if "-m" in args or "--multirun" in args:
-        shown = args if any(a.startswith("--cfg") for a in args) else [*args, "--cfg", "job"]
-        done = subprocess.run([sys.executable, "run.py", *shown], cwd=ROOT, capture_output=True, text=True,
-                              timeout=120)
-        assert done.returncode == 0, f"{where}: {command}\n{done.stderr[-2000:]}"
+    return args if any(a.startswith("--cfg") for a in args) else [*args, "--cfg", "job"]
+
+
+@pytest.fixture(scope="module")
+def sweeps_shown():
+    """Each documented sweep's exit code and error output from ``run.py -m ... --cfg job``."""
+    import json
+    done = subprocess.run([sys.executable, "-c", DRIVER, json.dumps([shown(c) for c in SWEEPS])], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+    assert len(lines) == len(SWEEPS), done.stderr[-3000:]
+    return dict(zip(SWEEPS, lines))
+
+
+@pytest.mark.parametrize("command", list(PLACES), ids=[f"{PLACES[c][0]}: {c[:80]}" for c in PLACES])
+def test_a_documented_command_composes(command, request):
+    where = ", ".join(PLACES[command])
+    args = shlex.split(command)[2:]
+    if command in SWEEPS:
+        code, errors = request.getfixturevalue("sweeps_shown")[command]
+        assert code == 0, f"{where}: {command}\n{errors}"
         return
     takes_value = ("--cfg", "-c", "--package", "-p", "--config-name", "-cn", "--config-path", "-cp")
     overrides = [a for a, before in zip(args, [None, *args]) if not a.startswith("-") and before not in takes_value]
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         compose(config_name="config", overrides=overrides, return_hydra_config=True)
+
+
+def test_a_sweep_that_does_not_compose_fails_the_check():
+    """The driver reports a sweep that names an option no group has (so a broken documented sweep cannot pass)."""
+    import json
+    bad = ["-m", "method=snapkv,no_such_method", "--cfg", "job"]
+    done = subprocess.run([sys.executable, "-c", DRIVER, json.dumps([bad])], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    (line,) = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("[")]
+    assert line[0] != 0

