@@ -203,7 +203,7 @@ def test_compression_ops_counts_the_operations_inside_keep_that_dispatch_work():
     method = TwoOps()
     with CompressionOps(method) as ops:
         for _ in range(3):
-            method.keep(torch.ones(4, 5))
+            ops.method.keep(torch.ones(4, 5))
             torch.ones(2) * 3                    # outside keep
     assert (ops.layers, ops.ops, ops.per_layer) == (3, 6, 2.0)
     assert "keep" not in vars(method)             # the method is as it was

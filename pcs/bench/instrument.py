@@ -3,6 +3,7 @@
 launch or a copy the host issues), the attention calls of a decoding step, and a profile of one prefill."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..eviction.base import Watched
 from ..generate import greedy_generate
 
 
@@ -120,31 +122,32 @@ NO_WORK_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_s
 
 
 class CompressionOps:
-    """Operations a method's compression (its ``keep``, layer by layer) dispatches while active, views and
-    allocations aside. On a GPU each is at least one kernel launch or copy the host issues, so this counts what a
-    prefill's host spends on compressing, deterministically where timings are noisy; a selection whose count grows
-    with the prompt would cost launches per token on an accelerator. Only ``keep`` runs under the counting
-    dispatch mode: the forward around it runs as it would."""
+    """Operations a method's compression (its ``keep``, layer by layer) dispatches, views and allocations aside,
+    counted for ``method``: the method watched (``Watched``), to run instead of it. On a GPU each operation is at
+    least one kernel launch or copy the host issues, so this counts what a prefill's host spends on compressing,
+    deterministically where timings are noisy; a selection whose count grows with the prompt would cost launches
+    per token on an accelerator. Only ``keep`` runs under the counting dispatch mode: the forward around it runs
+    as it would."""
 
     def __init__(self, method):
-        self.method, self.ops, self.layers = method, 0, 0
+        self.ops, self.layers = 0, 0
+        self.method = Watched(method, self.counting)
 
     @property
     def per_layer(self) -> float:
         return self.ops / max(1, self.layers)
 
-    def __enter__(self):
-        keep = type(self.method).keep
+    @contextlib.contextmanager
+    def counting(self):
+        self.layers += 1
+        with _OpCounter(self):
+            yield
 
-        def counted(layer):
-            self.layers += 1
-            with _OpCounter(self):
-                return keep(self.method, layer)
-        self.method.keep = counted
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        del self.method.keep
+        return None
 
 
 class _OpCounter(TorchDispatchMode):
@@ -159,32 +162,31 @@ class _OpCounter(TorchDispatchMode):
 
 
 class CompressionClock:
-    """Seconds a method spends choosing what to keep (its ``keep``, layer by layer) while active: the part of the
-    prefill in which selections differ, timed by CUDA events on a GPU so that nothing waits for it."""
+    """Seconds a method spends choosing what to keep (its ``keep``, layer by layer) when run as ``method`` (the
+    method watched, ``Watched``): the part of the prefill in which selections differ, timed by CUDA events on a
+    GPU so that nothing waits for it, read once the clock's context exits."""
 
     def __init__(self, method, device: torch.device):
-        self.method, self.device, self.spans, self.seconds = method, device, [], 0.0
+        self.device, self.spans, self.seconds = device, [], 0.0
+        self.method = Watched(method, self.timing)
+
+    @contextlib.contextmanager
+    def timing(self):
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.spans.append((start, end))
+        else:
+            start = time.perf_counter()
+            yield
+            self.seconds += time.perf_counter() - start
 
     def __enter__(self):
-        keep = type(self.method).keep
-
-        def timed(layer):
-            if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                kept = keep(self.method, layer)
-                end.record()
-                self.spans.append((start, end))
-            else:
-                start = time.perf_counter()
-                kept = keep(self.method, layer)
-                self.seconds += time.perf_counter() - start
-            return kept
-        self.method.keep = timed
         return self
 
     def __exit__(self, *exc):
-        del self.method.keep
         if self.spans:
             torch.cuda.synchronize()
             self.seconds += sum(start.elapsed_time(end) for start, end in self.spans) / 1000

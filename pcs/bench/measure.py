@@ -69,7 +69,7 @@ def random_prompt(model, context: int) -> torch.Tensor:
 def measure_once(model, method, ids, decode_tokens: int, options: EngineOptions) -> dict:
     device = next(model.parameters()).device
     with PeakMemory(device) as mem, CompressionClock(method, device) as clock:
-        gen = greedy_generate(model, ids, method, decode_tokens, set(), options=options)
+        gen = greedy_generate(model, ids, clock.method, decode_tokens, set(), options=options)
     return {"stage2": gen.stage2, "prefill_s": gen.prefill_s, "compress_s": clock.seconds, "decode_ms_per_token": 1000 * gen.decode_s / max(1, len(gen.token_ids) - 1),
             "kv_bytes": gen.kv_cache_bytes, "kv_bytes_full": gen.kv_cache_bytes_full, "peak_mem_bytes": mem.extra,
             "peak_mem_total_bytes": mem.peak if device.type == "cuda" else None}
@@ -241,7 +241,8 @@ def run(args) -> list[dict]:
             runs.append(measure_once(model, method, ids, args.decode_tokens, options))     # the last round
             result = summarize(runs) | stage2_work(method, runs)
             with CompressionOps(method) as ops:   # its prefill's compression: ops per layer, at up to CALLS_CONTEXT
-                result["attention_calls_per_token"] = attention_calls_per_token(model, method, ids[:, :CALLS_CONTEXT])
+                result["attention_calls_per_token"] = attention_calls_per_token(model, ops.method,
+                                                                                ids[:, :CALLS_CONTEXT])
             result["compress_ops_per_layer"] = ops.per_layer
             if args.profile:
                 name = f"{context}_{config.method}_{config.selection}_{config.budget or 'all'}" \

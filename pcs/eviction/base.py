@@ -112,3 +112,22 @@ class Method:
 def window_positions(n_tokens: int, window: int, device=None) -> torch.Tensor:
     """The last ``window`` positions, kept in every head."""
     return torch.arange(n_tokens - window, n_tokens, device=device)
+
+
+class Watched:
+    """A method whose every ``keep`` runs inside ``watch()`` (a context-manager factory), everything else its own:
+    the declared way to observe a compression (``pcs.bench`` times it and counts its operations) without changing
+    the method or replacing its code. A prompt's copy (``for_prompt``) is watched too."""
+
+    def __init__(self, method, watch):
+        self.inner, self.watch = method, watch
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def keep(self, layer: LayerState) -> Kept:
+        with self.watch():
+            return self.inner.keep(layer)
+
+    def for_prompt(self, n_tokens: int) -> Watched:
+        return Watched(self.inner.for_prompt(n_tokens), self.watch)
