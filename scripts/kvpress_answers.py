@@ -77,7 +77,7 @@ def compare(args) -> list[dict]:
     from pcs.eviction import build_method
     from pcs.eviction.conventions import kvpress_ratio
     from pcs.models import stop_token_ids
-    from pcs.runner import checked
+    from pcs.benchmarks.base import checked_benchmark
     model_cfg, model, tokenizer = embedded_model()
     worker = KvpressWorker(args.kvpress_python, __file__, model_cfg)
     rows = []
@@ -85,7 +85,7 @@ def compare(args) -> list[dict]:
         cfg = compose(["benchmark=ruler", "benchmark.tasks=[niah_single_1,niah_single_2,niah_single_3]",
                        "benchmark.lengths=[2048]", f"benchmark.n_samples={args.samples}",
                        f"benchmark.query_aware={str(query_aware).lower()}"])
-        benchmark = checked(cfg).benchmark
+        benchmark = checked_benchmark(cfg)
         methods = {}
         for case in ANSWER_CASES:
             method_name, overrides = CASES[case]
