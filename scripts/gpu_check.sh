@@ -20,6 +20,7 @@
 # Everything at once (the defaults: 8K, 32K and 128K, five methods, pools of 1 to 64, 32 decoded tokens a row) takes
 # longer than a 10-minute command. In parts, with what each took on an H200 (a machine's start and the transfers add
 # about 30 s; 2 decoded tokens a row, so read only the prefill columns):
+#   DECODE=1 TESTS=graphs bash scripts/gpu_check.sh                   # decoding against its bound (below): first
 #   TESTS=1 CONTEXTS= bash scripts/gpu_check.sh                       # every GPU test (71): about 80 s
 #   TESTS=0 CONTEXTS=8192 METHODS=adakv POOLS= REPEATS=3 DECODE_TOKENS=2 bash scripts/gpu_check.sh              # 91 s
 #   TESTS=0 APPEND=1 CONTEXTS=8192 METHODS="snapkv pyramidkv" POOLS= REPEATS=2 DECODE_TOKENS=2 bash ...
@@ -38,6 +39,12 @@
 # left more than half their entries to score). Against older code on the same machine: carry its checkout with
 # hydra_plugins/ beside its pcs/ (`git archive <commit> pcs hydra_plugins | tar -x -C .devtmp/base`, carry
 # [".devtmp/base"]) and run `python -m pcs.bench` from there.
+#
+# DECODE=1: the decode measurement alone, first whenever a GPU is at hand (Llama-3.1-8B shapes, 32 layers: at
+# DECODE_CONTEXTS, 8K and 32K, the full cache, SnapKV and AdaKV at budgets 128 and 1024, pools of 1, 8 and 64 and a
+# mixed pool, with and without CUDA graphs, DECODE_TOKENS=16 timed steps each, every row against its bound; the
+# device's copy bandwidth measured in the same process). Written to be at most 6 minutes with TESTS=graphs; not yet
+# run on a GPU, so its time is an estimate.
 #
 # Knobs: CONTEXTS, METHODS (the full cache is always measured), BUDGETS, PRESETS, POOLS (decode pool sizes; empty:
 # no pools), REPEATS, ANALYSIS (the 32K perturbation analysis; default: only when CONTEXTS holds 32768), TESTS,
@@ -86,7 +93,13 @@ OUT_FILE=$DEST/gpu_${DEVICE}.jsonl
 EAGER=${EAGER:-0}
 
 tests_rc=0   # a failing test does not stop the bench; the script exits with the tests' status at the end
-if [ "${TESTS:-1}" != 0 ]; then
+if [ "${TESTS:-1}" = graphs ]; then          # the CUDA-graph test alone (DECODE=1's check before it times)
+  LOG=$DEST/gpu_${DEVICE}_tests.log
+  if ! "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k cuda_graph 2>&1 | tee "$LOG"; then
+    tests_rc=1 EAGER=1
+    echo "[gpu_check] the CUDA-graph test failed: pools decode without graphs (EAGER=1)"
+  fi
+elif [ "${TESTS:-1}" != 0 ]; then
   LOG=$DEST/gpu_${DEVICE}_tests.log
   # the CUDA-graph test first: if capture fails there, the pools below decode eagerly instead of failing late
   if ! "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k cuda_graph 2>&1 | tee "$LOG"; then
@@ -95,6 +108,21 @@ if [ "${TESTS:-1}" != 0 ]; then
   fi
   "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "not cuda_graph" 2>&1 | tee -a "$LOG" \
     || tests_rc=1
+fi
+
+if [ "${DECODE:-0}" = 1 ]; then
+  # Decoding first, in one command of at most 6 minutes: the CUDA-graph test (a failed capture decodes eagerly),
+  # then every decode configuration against its bound (pcs/bench/decode.py), rows to gpu_<device>_decode.jsonl.
+  DECODE_FILE=$DEST/gpu_${DEVICE}_decode.jsonl
+  [ "${APPEND:-0}" = 1 ] || : > "$DECODE_FILE"
+  decode_args=(--decode --model llama31-shape --layers 32 --device cuda --methods snapkv adakv --budgets 128 1024
+               --pools 1 8 64 --decode-tokens "${DECODE_TOKENS:-16}" --json)
+  [ "$EAGER" = 0 ] || decode_args+=(--eager)
+  for context in ${DECODE_CONTEXTS:-8192 32768}; do
+    "$PY" -m pcs.bench --contexts "$context" "${decode_args[@]}" | tee -a "$DECODE_FILE"
+  done
+  "$PY" -m pcs.bench --report "$DECODE_FILE"
+  exit "$tests_rc"
 fi
 
 bench_args=(--model llama31-shape --layers 32 --device cuda --methods $METHODS --selections attention perturbation

@@ -310,3 +310,50 @@ def test_a_pairs_verdict_reads_its_rounds_paired_in_order():
     del straddles["compress_rounds_s"]          # an older file's row: the medians decide
     assert selection_overheads([attention, straddles])[0].round_ratios == []
     assert selection_overheads([attention, straddles])[0].verdict(1.03) == "missed"
+
+
+def test_the_decode_bench_times_every_pool_against_its_bound(tiny_model_dir, capsys):
+    """``--decode`` on a tiny model: a row per cache (the full one, each method x budget) and pool size, and a mixed
+    pool per size; each row's bound is the weights a step reads (the untied input embedding aside) and its rows'
+    own entries over the bandwidth measured, and a pool of n copies holds n times one copy's entries. ``--report``
+    prints their table and names the targets these rows cannot judge."""
+    main(["--decode", "--model-path", str(tiny_model_dir), "--contexts", "300", "--methods", "snapkv", "adakv",
+          "--budgets", "64", "--pools", "1", "3", "--decode-tokens", "3", "--json"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    kinds = [(r["method"], r["budget"], r["pool"]) for r in rows]
+    assert kinds == [("full", None, 1), ("full", None, 3), ("snapkv", 64, 1), ("snapkv", 64, 3), ("adakv", 64, 1),
+                     ("adakv", 64, 3), ("mixed", None, 1), ("mixed", None, 3)]
+    by = {k: r for k, r in zip(kinds, rows)}
+    for (method, budget, _), row in by.items():
+        assert not row["cuda_graphs"] and row["steps"] == 3 and row["tokens_per_s"] > 0
+        expected = 1000 * (row["weight_bytes"] + row["kv_bytes"]) / (row["bandwidth_gb_s"] * 1e9)
+        assert row["bound_ms"] == pytest.approx(expected) and row["of_bound"] == pytest.approx(
+            row["ms_per_step"] / row["bound_ms"])
+        if method != "mixed":
+            assert by[(method, budget, 3)]["kv_bytes"] == 3 * by[(method, budget, 1)]["kv_bytes"]
+    assert by[("snapkv", 64, 1)]["kv_bytes"] < by[("full", None, 1)]["kv_bytes"]
+    # a mixed pool of 3: the full cache, then the first two compressed rows of the sample (snapkv, adakv)
+    assert by[("mixed", None, 3)]["kv_bytes"] == sum(by[(m, b, 1)]["kv_bytes"] for m, b in
+                                                     [("full", None), ("snapkv", 64), ("adakv", 64)])
+    assert by[("mixed", None, 3)]["rows_full"] == 1
+
+
+def test_the_decode_report_reads_rows_against_the_decode_targets(tmp_path, capsys):
+    """Hand-made decode rows: the full cache at 8K within 1.5x of its bound, a budget-128 row at 32K above 1.25x, a
+    compressed row slower than the full cache, a pool of 64 with 30x batch 1's tokens per second, no mixed pool."""
+    def row(method, budget, pool, context, ms, bound, tokens):
+        return {"method": method, "budget": budget, "pool": pool, "context": context, "cuda_graphs": True,
+                "ms_per_step": ms, "bound_ms": bound, "of_bound": ms / bound, "tokens_per_s": tokens,
+                "bandwidth_gb_s": 3000.0}
+    rows = [row("full", None, 1, 8192, 7.0, 5.0, 140.0), row("full", None, 1, 32768, 9.0, 6.0, 110.0),
+            row("snapkv", 128, 1, 32768, 10.0, 5.0, 100.0), row("snapkv", 128, 64, 32768, 20.0, 14.0, 3000.0)]
+    path = tmp_path / "decode.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| 8192 | full | 1 | yes | 7.00 | 140.0 | 5.00 | 1.40 |" in out
+    assert "full cache, batch 1, at 8192: x1.40 of its bound [target <= 1.5: met]" in out
+    assert "x2.00 to x2.00 of their bounds [target <= 1.25: missed]" in out
+    assert "compressed steps slower than the full cache's from 8192: 1 of 1; 32768 snapkv b128 pool 1" in out
+    assert "snapkv 30.0x batch 1's tokens/s, x1.43 of its bound [target >= 25x and <= x1.5: met]" in out
+    assert "mixed pools: not measured" in out

@@ -7,6 +7,8 @@ compressed cache against the memory-traffic bound, KV bytes and peak memory.
     python -m pcs.bench --perturbation-analysis --model llama31-shape --layers 32 --contexts 32768 --device cuda
     python -m pcs.bench --model smollm2 --contexts 2048 4096 --methods snapkv pyramidkv adakv streamingllm laprox \
         --budgets 128 1024 --pools 1 8 32 --repeats 1 --json        # decode pools: tokens/s and ms per step
+    python -m pcs.bench --decode --model llama31-shape --layers 32 --contexts 8192 32768 --budgets 128 1024 \
+        --pools 1 8 64 --decode-tokens 16 --json         # decoding steps against their memory-traffic bound
     python -m pcs.bench --report results/bench/gpu_NVIDIA_H100_80GB_HBM3.jsonl    # its table and the targets
     python -m pcs.bench --project experiment=table1 --bench results/bench/gpu_NVIDIA_H100_80GB_HBM3.jsonl
 
@@ -70,6 +72,10 @@ def parse(argv=None):
     parser.add_argument("--json", action="store_true", help="one JSON object per configuration")
     parser.add_argument("--perturbation-analysis", action="store_true", help="time the perturbation analysis "
                         "(benchmark=perturbation) instead: --methods[0] with --selections at --budgets")
+    parser.add_argument("--decode", action="store_true", help="time decoding steps instead (pcs/bench/decode.py): "
+                        "the full cache and --methods x --budgets as pools of --pools copies, and a mixed pool, each "
+                        "against its bound (weights and the rows' own entries over the copy bandwidth measured in "
+                        "the same process); on CUDA with and without graphs (--eager: without only)")
     parser.add_argument("--report", metavar="JSONL", help="print a results file's markdown table and the engine's "
                         "targets read off it, and measure nothing")
     parser.add_argument("--profile", metavar="DIR", help="also profile one prefill per configuration "
@@ -82,8 +88,12 @@ def main(argv=None) -> int:
     # What each mode needs loads only once the arguments are read: --help, --report and --project need no torch.
     if args.report:
         from ..paths import read_jsonl
-        from .tables import markdown, pool_table, selection_table, targets
+        from .tables import decode_rows, decode_table, decode_targets, markdown, pool_table, selection_table, targets
         rows = read_jsonl(Path(args.report))
+        decoded = decode_rows(rows)
+        if decoded:
+            print(decode_table(decoded) + "\n\n" + "\n".join(f"- {line}" for line in decode_targets(decoded)))
+            return 0
         pools, selections = pool_table(rows), selection_table(rows)
         print(markdown(rows) + "\n\n" + (pools + "\n\n" if pools else "") + (selections + "\n\n" if selections else "")
               + "\n".join(f"- {line}" for line in targets(rows)))
@@ -93,6 +103,10 @@ def main(argv=None) -> int:
         if not args.bench:
             raise SystemExit("--project needs --bench JSONL: the measured costs to project from")
         print(project(args.project, args.bench, max(args.pools) if args.pools else None, args.tokens_per_word))
+        return 0
+    if args.decode:
+        from .decode import run as decode
+        decode(args)
         return 0
     from .measure import analysis, run
     analysis(args) if args.perturbation_analysis else run(args)

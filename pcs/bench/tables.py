@@ -285,3 +285,79 @@ def targets(rows: list[dict]) -> list[str]:
         out.append(f"attention calls per layer and decoded token: at most {most:g} [target <= {calls}: "
                    f"{'met' if most <= calls else 'missed'}]")
     return out
+
+
+def decode_rows(rows: list[dict]) -> list[dict]:
+    """The rows of ``python -m pcs.bench --decode`` in a results file."""
+    return [r for r in rows if "bound_ms" in r]
+
+
+def decode_table(rows: list[dict]) -> str:
+    """The decode bench's table: per context, configuration, pool size and graphs, the step against its bound."""
+    lines = ["| context | cache | pool | CUDA graphs | ms/step | tokens/s | bound ms | x bound |",
+             "|---:|---|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        cache = r["method"] + (f" b{r['budget']}" if r.get("budget") else "")
+        if "ms_per_step" not in r:
+            lines.append(f"| {r['context']} | {cache} | {r['pool']} | {'yes' if r['cuda_graphs'] else 'no'} | "
+                         f"fits {r['fits']} | - | {r['bound_ms']:.2f} | - |")
+            continue
+        lines.append(f"| {r['context']} | {cache} | {r['pool']} | {'yes' if r['cuda_graphs'] else 'no'} | "
+                     f"{r['ms_per_step']:.2f} | {r['tokens_per_s']:.1f} | {r['bound_ms']:.2f} | {r['of_bound']:.2f} |")
+    bandwidth = {r["bandwidth_gb_s"] for r in rows}
+    return "\n".join(lines) + "\n\nCopy bandwidth measured in the same process: " + \
+        ", ".join(f"{b:.0f} GB/s" for b in sorted(bandwidth))
+
+
+def decode_targets(rows: list[dict]) -> list[str]:
+    """The decode targets (``goals()["decode"]``) read off ``--decode`` rows: the graph-captured rows where the
+    file has them, else the eager ones; a target whose rows are absent is said to be unmeasured."""
+    goal = goals()["decode"]
+    timed = [r for r in rows if "ms_per_step" in r]
+    graphs = any(r["cuda_graphs"] for r in timed)
+    timed = [r for r in timed if r["cuda_graphs"] == graphs]
+
+    def pick(**where):
+        return [r for r in timed if all(r.get(k) == v for k, v in where.items())]
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "missed"
+
+    out = []
+    g = goal["full_batch1"]
+    found = pick(method="full", pool=1, context=g["context"])
+    out.append(f"full cache, batch 1, at {g['context']}: " + (
+        f"x{found[0]['of_bound']:.2f} of its bound [target <= {g['of_bound']}: "
+        f"{verdict(found[0]['of_bound'] <= g['of_bound'])}]" if found else "not measured"))
+    g = goal["small_budget"]
+    found = [r for r in pick(pool=1, budget=g["budget"]) if r["context"] in g["contexts"] and r["method"] != "mixed"]
+    out.append(f"budget {g['budget']}, batch 1, at {' and '.join(map(str, g['contexts']))}: " + (
+        f"x{min(r['of_bound'] for r in found):.2f} to x{max(r['of_bound'] for r in found):.2f} of their bounds "
+        f"[target <= {g['of_bound']}: {verdict(max(r['of_bound'] for r in found) <= g['of_bound'])}]"
+        if found else "not measured"))
+    start = goal["compressed_not_slower_from"]
+    full = {(r["context"], r["pool"]): r["ms_per_step"] for r in pick(method="full")}
+    slower = [r for r in timed if r["budget"] and r["context"] >= start and (r["context"], r["pool"]) in full
+              and r["ms_per_step"] > full[(r["context"], r["pool"])]]
+    compared = [r for r in timed if r["budget"] and r["context"] >= start and (r["context"], r["pool"]) in full]
+    out.append(f"compressed steps slower than the full cache's from {start}: " + (
+        f"{len(slower)} of {len(compared)}" + "".join(f"; {r['context']} {r['method']} b{r['budget']} pool {r['pool']}"
+                                                        for r in slower)
+        + f" [target 0: {verdict(not slower)}]" if compared else "not measured"))
+    g = goal["pool_gain"]
+    one = pick(pool=1, context=g["context"], budget=g["budget"])
+    many = pick(pool=g["size"], context=g["context"], budget=g["budget"])
+    pairs = [(m, o) for m in many for o in one if m["method"] == o["method"]]
+    out.append(f"pool of {g['size']} at {g['context']}, budget {g['budget']}: " + (
+        "; ".join(f"{m['method']} {m['tokens_per_s'] / o['tokens_per_s']:.1f}x batch 1's tokens/s, x{m['of_bound']:.2f} "
+                  f"of its bound" for m, o in pairs)
+        + f" [target >= {g['least']:g}x and <= x{g['of_bound']}: "
+        f"{verdict(all(m['tokens_per_s'] / o['tokens_per_s'] >= g['least'] and m['of_bound'] <= g['of_bound'] for m, o in pairs))}]"
+        if pairs else "not measured"))
+    g = goal["mixed"]
+    found = pick(method="mixed")
+    out.append("mixed pools: " + (
+        f"x{min(r['of_bound'] for r in found):.2f} to x{max(r['of_bound'] for r in found):.2f} of their rows' bounds "
+        f"[target <= {g['of_bound']}: {verdict(max(r['of_bound'] for r in found) <= g['of_bound'])}]"
+        if found else "not measured"))
+    return out
