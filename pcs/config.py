@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import budget
 from .budget import is_share
 from .errors import ConfigError
-from .options import SEARCHES
+from .options import EngineOptions
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -207,16 +207,23 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("compress.trigger does not work with profile.gqa=per_query_head (a layer whose query heads "
                           "chose apart is not compressed again); use another profile.gqa or no trigger")
     engine = cfg.get("engine") or {}
-    search = engine.get("stage2") or {}
-    if search.get("search", "auto") not in SEARCHES:
-        raise ConfigError(f"engine.stage2.search={search.search!r}: choose one of {', '.join(SEARCHES)}")
+    try:
+        options = EngineOptions.from_config(OmegaConf.to_container(engine) if isinstance(engine, DictConfig) else engine)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"engine: {err}") from err
+    search = options.stage2
     for knob in ("exhaustive_below", "loose_after"):
-        if knob in search and not positive_int(search[knob]):
-            raise ConfigError(f"engine.stage2.{knob}={search[knob]!r} must be a positive integer")
-    if not 0 <= search.get("loose_share", 0.5) <= 1:
+        if not positive_int(getattr(search, knob)):
+            raise ConfigError(f"engine.stage2.{knob}={getattr(search, knob)!r} must be a positive integer")
+    if isinstance(search.loose_share, bool) or not isinstance(search.loose_share, (int, float)) \
+            or not 0 <= search.loose_share <= 1:
         raise ConfigError(f"engine.stage2.loose_share={search.loose_share!r} must lie in [0, 1]")
-    if not (isinstance(engine.get("layers_behind", 0), int) and engine.get("layers_behind", 0) >= 0):
-        raise ConfigError(f"engine.layers_behind={engine.layers_behind!r} must be a whole number of layers (0: none)")
+    if not isinstance(search.value_norm_kernel, bool) or not isinstance(options.cuda_graphs, bool):
+        raise ConfigError("engine.stage2.value_norm_kernel and engine.cuda_graphs must be true or false")
+    if isinstance(options.layers_behind, bool) or not isinstance(options.layers_behind, int) \
+            or options.layers_behind < 0:
+        raise ConfigError(f"engine.layers_behind={options.layers_behind!r} must be a whole number of layers "
+                          f"(0: none)")
     if engine.get("pool") is not None and not positive_int(engine.pool):
         raise ConfigError(f"engine.pool={engine.pool!r} must be a positive integer (sequences decoding together) "
                           f"or null (the device's default)")

@@ -59,15 +59,16 @@ class EngineOptions:
     stage2: Stage2Search
 
     @classmethod
-    def from_config(cls, engine) -> EngineOptions:
-        """From a config's ``engine`` block; a field it lacks takes the default (``defaults``)."""
-        given = dict(engine or {})
-        base = defaults() if given.keys() != {f.name for f in dataclasses.fields(cls)} else None
-        search = dict(given.pop("stage2", None) or {})
-        options = {**({} if base is None else {f.name: getattr(base, f.name) for f in dataclasses.fields(cls)}),
-                   **given}
-        options["stage2"] = Stage2Search(**{**({} if base is None else dataclasses.asdict(base.stage2)), **search})
-        return cls(**options)
+    def from_config(cls, engine, base: EngineOptions | None = None) -> EngineOptions:
+        """From a config's ``engine`` block; a field it lacks or leaves null takes ``base``'s (by default the
+        config tree's, ``defaults``)."""
+        given = {k: v for k, v in dict(engine or {}).items() if v is not None}
+        search = {k: v for k, v in dict(given.pop("stage2", None) or {}).items() if v is not None}
+        unknown = sorted(set(given) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"engine.{unknown[0]} is not an engine option")
+        base = base or defaults()
+        return dataclasses.replace(base, **given, stage2=dataclasses.replace(base.stage2, **search))
 
     def with_(self, **changes) -> EngineOptions:
         """A copy with fields changed; ``stage2_<field>`` changes the search's."""
@@ -81,4 +82,5 @@ def defaults() -> EngineOptions:
     """The engine block of ``pcs/conf/config.yaml``, the one place the defaults are written."""
     from omegaconf import OmegaConf
     engine = OmegaConf.to_container(OmegaConf.load(Path(__file__).parent / "conf" / "config.yaml").engine)
-    return EngineOptions.from_config(engine)
+    engine["stage2"] = Stage2Search(**engine["stage2"])
+    return EngineOptions(**engine)

@@ -26,6 +26,7 @@ from .cache import CompressedCache
 from .compression import LayerChoices, after_prefill, attention_modules, hooked, window_queries
 from .eviction.base import Kept, LayerState, Method, window_positions
 from .engine.prefill import full_kv_bytes
+from .options import EngineOptions
 from .generate import RunContext
 from .prompts import PromptIds
 
@@ -43,9 +44,10 @@ class Prefill:
 
 
 @torch.inference_mode()
-def run_prefill(model, input_ids: torch.Tensor, methods: dict, two_stage: Method | None = None) -> Prefill:
+def run_prefill(model, input_ids: torch.Tensor, methods: dict, two_stage: Method | None = None,
+                options: EngineOptions | None = None) -> Prefill:
     """Full-cache prefill; every method of ``methods`` (key -> method) chooses its kept entries, and
-    ``two_stage`` (a two-stage method) records its stage-1 picks."""
+    ``two_stage`` (a two-stage method) records its stage-1 picks; ``options``: the engine's (None: the defaults)."""
     n_layers = model.config.num_hidden_layers
     choices = {key: LayerChoices(method, n_layers) for key, method in methods.items()}
     stage1, stage1_prefix = [None] * n_layers, [None] * n_layers
@@ -63,7 +65,7 @@ def run_prefill(model, input_ids: torch.Tensor, methods: dict, two_stage: Method
 
     cache = CompressedCache.of(model.config)
     device = next(model.parameters()).device
-    with after_prefill(model, cache, windows, on_layer, shared=len(methods) > 1):
+    with after_prefill(model, cache, windows, on_layer, shared=len(methods) > 1, options=options):
         logits = model(input_ids=input_ids.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     dense = [layer.dense() for layer in cache.layers]
     kept = {key: choice.finish() for key, choice in choices.items()}
@@ -197,7 +199,7 @@ def perturbation_row(sample: Sample, prompt: PromptIds, ctx: RunContext) -> dict
     two_stage = next((m for (label, b), m in ctx.methods.items() if b == main and m.two_stage), None)
     ids = torch.tensor([prompt.context])
     start = time.perf_counter()
-    prefill = run_prefill(ctx.model, ids, ctx.methods, two_stage)
+    prefill = run_prefill(ctx.model, ids, ctx.methods, two_stage, EngineOptions.from_config(ctx.cfg.get("engine")))
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
     result = measure(ctx.model, prefill, [(label, main) for label in labels], list(ctx.methods))

@@ -79,10 +79,11 @@ def run_cells(cfgs: list[DictConfig], shard: tuple[int, int] = (0, 1), benchmark
     only the samples of that shard (``pcs.run_folder``), written in the shard's own folder under its own lock;
     the run's predictions.jsonl and metrics.json are written once every sample of it is done, by whichever job
     finds it so. Returns each cell's metrics (None: another job holds its folder, or other shards are not done).
-    The configs are checked here once (``checked_benchmark``: ConfigError before any model loads), unless the
-    caller did: ``benchmarks``, the checked benchmarks, or ``checked``, configs checked when a sweep was submitted."""
-    if benchmarks is None:
-        benchmarks = [build_benchmark(cfg) if checked else checked_benchmark(cfg) for cfg in cfgs]
+    The configs are validated here once (``checked_benchmark``: ConfigError before any model loads), unless the
+    caller did: ``benchmarks``, the checked benchmarks, or ``checked``, configs validated when a sweep was submitted
+    (their benchmarks' data is still checked and loaded here, where the job runs)."""
+    if benchmarks is None:     # a benchmark's check also loads what its samples come from: always run it
+        benchmarks = [checked_benchmark(cfg, validated=checked) for cfg in cfgs]
     cells = [new_cell(cfg, benchmark, shard) for cfg, benchmark in zip(cfgs, benchmarks)]
     if len({cell.identity.prefill_key for cell in cells}) > 1:
         raise ValueError("cells of one group must differ only in " + ", ".join(PER_CELL))
@@ -139,11 +140,12 @@ def execute(cells: list[Cell], shard: tuple[int, int] = (0, 1)) -> list[dict | N
     first = cells[0]
     step = STEPS[first.benchmark.step]
     started, started_at = time.time(), now()
+    options = EngineOptions.from_config(first.cfg.get("engine"))
     model, tokenizer = load_model(first.cfg.model)
     stops = stop_token_ids(model, tokenizer, first.cfg.model.stop_tokens)
     samples = first.benchmark.samples(tokenizer)
     mine = interleaved([sample for i, sample in enumerate(samples) if in_shard(i, *shard)])
-    pool = open_pool(model, EngineOptions.from_config(first.cfg.get("engine")))
+    pool = open_pool(model, options)
     asked: dict[str, list[Cell]] = {}
 
     def requests():

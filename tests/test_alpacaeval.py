@@ -109,3 +109,16 @@ def test_generation_with_decoding_compression_then_judging(tiny_model_dir, tmp_p
     assert code == 0
     assert json.loads((run_dir / "metrics.json").read_text())["judges"]["deepseek-chat"]["win_rate"] == \
         pytest.approx(metrics["win_rate"])
+
+
+def test_a_sweeps_job_still_loads_its_instructions(tiny_model_dir, tmp_path):
+    """A sweep's job runs configs validated at submission (``run_cells(..., checked=True)``): its benchmark's data is
+    still checked and loaded where the job runs, so it answers every instruction (not none)."""
+    from pcs.runner import run_cells
+    data = tmp_path / "instructions.json"
+    data.write_text(json.dumps([{"instruction": i, "dataset": "t"} for i in INSTRUCTIONS]))
+    cfg = compose_cfg("benchmark=alpacaeval", f"model.path={tiny_model_dir}", f"results_dir={tmp_path / 'results'}",
+                      "progress=false", f"benchmark.data_file={data}", "benchmark.max_new_tokens=4", "budget=24",
+                      "method.window=8", "benchmark.annotate=false")
+    (metrics,) = run_cells([cfg], checked=True)
+    assert metrics["n_samples"] == len(INSTRUCTIONS)

@@ -19,8 +19,7 @@ import torch
 from ..compression import CompressionStats
 from ..engine import Cell, DecodePool, clock, prefill
 from ..eviction import build_method
-from ..options import defaults
-from .measure import build_model, composed, device_name, random_prompt
+from .measure import build_model, composed, device_name, engine_options, random_prompt
 
 WARM_STEPS = 3            # untimed steps first: on CUDA they capture the step's graph
 POOLS = (1, 8, 64)        # pool sizes where --pools names none
@@ -56,13 +55,13 @@ def copy_of(seq, max_new: int):
                                stats=CompressionStats(), result=dataclasses.replace(seq.result, token_ids=[]))
 
 
-def timed_steps(model, templates: list, size: int, graphs: bool, steps: int) -> dict:
+def timed_steps(model, templates: list, size: int, graphs: bool, steps: int, options) -> dict:
     """A pool of ``size`` slots holding a copy of each of ``templates`` (prefilled sequences), each copy made only
     once the pool admits it (a copy that cannot fit is never made): after ``WARM_STEPS`` untimed steps, the mean
     milliseconds of ``steps`` steps and the tokens per second; or ``fits``, the rows the device's free memory
     admitted, where it did not admit them all."""
     device = next(model.parameters()).device
-    pool = DecodePool(model, size, graphs, defaults())
+    pool = DecodePool(model, size, graphs, options)
     for template in templates:
         if not pool.admits(template):
             return {"fits": len(pool.sequences)}
@@ -79,6 +78,7 @@ def timed_steps(model, templates: list, size: int, graphs: bool, steps: int) -> 
 def run(args) -> list[dict]:
     """Every configuration's rows, printed as each is measured (a command stopped at a time limit keeps them)."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    options = engine_options(args)
     model = build_model(args.model, args.layers, device, args.model_path)
     per_second = bandwidth(torch.device(device))
     weights = step_weight_bytes(model)
@@ -96,7 +96,8 @@ def run(args) -> list[dict]:
     for context in args.contexts:
         ids = random_prompt(model, context).to(device)
         tokens = WARM_STEPS + steps + 1
-        prefilled = {c: prefill(model, ids, [Cell(method)], tokens, set())[0] for c, method in built.items()}
+        prefilled = {c: prefill(model, ids, [Cell(method)], tokens, set(), options=options)[0]
+                     for c, method in built.items()}
         common = {"model": args.model, "device": device, "device_name": device_name(device),
                   "layers": model.config.num_hidden_layers, "context": context, "steps": steps,
                   "bandwidth_gb_s": per_second / 1e9, "weight_bytes": weights}
@@ -104,7 +105,7 @@ def run(args) -> list[dict]:
             for size in pools:
                 for graphs in modes:
                     kv = size * seq.cache.nbytes()
-                    result = timed_steps(model, [seq] * size, size, graphs, steps)
+                    result = timed_steps(model, [seq] * size, size, graphs, steps, options)
                     emit(common | bounded({"method": method, "budget": budget, "pool": size, "cuda_graphs": graphs,
                                            "kv_bytes": kv}, result, weights, per_second))
         compressed = [seq for c, seq in prefilled.items() if c[1] is not None]
@@ -114,7 +115,7 @@ def run(args) -> list[dict]:
                 chosen = [sample[i % len(sample)] for i in range(size)]
                 for graphs in modes:
                     kv = sum(seq.cache.nbytes() for seq in chosen)
-                    result = timed_steps(model, chosen, size, graphs, steps)
+                    result = timed_steps(model, chosen, size, graphs, steps, options)
                     emit(common | bounded({"method": "mixed", "budget": None, "pool": size, "cuda_graphs": graphs,
                                            "kv_bytes": kv, "rows_full": sum(seq is sample[0] for seq in chosen)},
                                           result, weights, per_second))

@@ -53,14 +53,14 @@ class PeakMemory:
         self.extra = max(0, self.peak - self.base)
 
 
-def profile_prefill(model, method, ids, path: Path) -> float:
+def profile_prefill(model, method, ids, path: Path, options=None) -> float:
     """One prefill plus compression under torch.profiler; writes its op table to ``path`` and returns
     the share of the time spent compressing (ops under the ``pcs.compress`` label)."""
     from torch.profiler import ProfilerActivity, profile
     on_cuda = next(model.parameters()).device.type == "cuda"      # the prompt may still be on the host
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     with profile(activities=activities) as prof:
-        greedy_generate(model, ids, method, 1, set())
+        greedy_generate(model, ids, method, 1, set(), options=options)
     averages = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in averages)
     compress = sum(e.cpu_time_total for e in averages if e.key == "pcs.compress")
@@ -105,13 +105,13 @@ CALLS_CONTEXT = 4096    # tokens of the prompt the attention calls are counted o
                         # tokens per configuration would cost a GPU session minutes
 
 
-def attention_calls_per_token(model, method, ids, steps: int = 4) -> float:
+def attention_calls_per_token(model, method, ids, steps: int = 4, options=None) -> float:
     """Attention calls (all layers) per decoded token, counted by the profiler over ``steps`` decoding
     steps: the prefill's one call per layer is subtracted. CPU events only: tracing the GPU's kernels too
     (CUPTI) costs minutes per configuration at 128K and is not needed to count calls."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        greedy_generate(model, ids, method, steps + 1, set())
+        greedy_generate(model, ids, method, steps + 1, set(), options=options)
     calls = sum(e.count for e in prof.key_averages() if e.key == ATTENTION_OP)
     return (calls - model.config.num_hidden_layers) / steps
 

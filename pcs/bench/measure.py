@@ -241,13 +241,13 @@ def run(args) -> list[dict]:
             runs.append(measure_once(model, method, ids, args.decode_tokens, options))     # the last round
             result = summarize(runs) | stage2_work(method, runs)
             with CompressionOps(method) as ops:   # its prefill's compression: ops per layer, at up to CALLS_CONTEXT
-                result["attention_calls_per_token"] = attention_calls_per_token(model, ops.method,
-                                                                                ids[:, :CALLS_CONTEXT])
+                result["attention_calls_per_token"] = attention_calls_per_token(
+                    model, ops.method, ids[:, :CALLS_CONTEXT], options=options)
             result["compress_ops_per_layer"] = ops.per_layer
             if args.profile:
                 name = f"{context}_{config.method}_{config.selection}_{config.budget or 'all'}" \
                        f"{'_' + config.preset if config.preset else ''}.txt"
-                result["compress_share"] = profile_prefill(model, method, ids, Path(args.profile) / name)
+                result["compress_share"] = profile_prefill(model, method, ids, Path(args.profile) / name, options)
             if args.pools:
                 graphs = device == "cuda" and not args.eager
                 result["pools"] = measure_pools(model, method, ids.to(device), args.pools, args.decode_tokens, graphs,

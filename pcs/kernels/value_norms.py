@@ -113,7 +113,7 @@ def launch(values: torch.Tensor, weights: torch.Tensor, group: int, sizes: torch
            block_entries: int | None = None, block_outputs: int | None = None, **options) -> None:
     """The kernel over ``value_norms``' arguments into ``out``, in blocks of ``block_entries`` x ``block_outputs``
     (``options``: Triton's launch options, e.g. ``num_warps``), the module's configuration where not given. Other
-    configurations are for timing them (``scripts/value_norm_blocks.py``): an entry's bits may depend on them."""
+    configurations are for timing them (docs/findings.md, GPU prefill): an entry's bits may depend on them."""
     import triton
     r, c, d = values.shape
     block_entries = BLOCK_ENTRIES if block_entries is None else block_entries
