@@ -326,6 +326,7 @@ def test_the_decode_bench_times_every_pool_against_its_bound(tiny_model_dir, cap
     by = {k: r for k, r in zip(kinds, rows)}
     for (method, budget, _), row in by.items():
         assert not row["cuda_graphs"] and row["steps"] == 3 and row["tokens_per_s"] > 0
+        assert row["ops_per_layer"] > 0 and row["ops_per_step"] == row["ops_per_layer"] * row["layers"]
         expected = 1000 * (row["weight_bytes"] + row["kv_bytes"]) / (row["bandwidth_gb_s"] * 1e9)
         assert row["bound_ms"] == pytest.approx(expected) and row["of_bound"] == pytest.approx(
             row["ms_per_step"] / row["bound_ms"])
@@ -351,7 +352,7 @@ def test_the_decode_report_reads_rows_against_the_decode_targets(tmp_path, capsy
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["--report", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "| 8192 | full | 1 | yes | 7.00 | 140.0 | 5.00 | 1.40 |" in out
+    assert "| 8192 | full | 1 | yes | 7.00 | 140.0 | 5.00 | 1.40 | - |" in out
     assert "full cache, batch 1, at 8192: x1.40 of its bound [target <= 1.5: met]" in out
     assert "x2.00 to x2.00 of their bounds [target <= 1.25: missed]" in out
     assert "compressed steps slower than the full cache's from 8192: 1 of 1; 32768 snapkv b128 pool 1" in out

@@ -19,6 +19,7 @@ import torch
 from ..compression import CompressionStats
 from ..engine import Cell, DecodePool, clock, prefill
 from ..eviction import build_method
+from .instrument import StepOps
 from .measure import build_model, composed, device_name, engine_options, random_prompt
 
 WARM_STEPS = 3            # untimed steps first: on CUDA they capture the step's graph
@@ -57,7 +58,8 @@ def copy_of(seq, max_new: int):
 
 def timed_steps(model, templates: list, size: int, graphs: bool, steps: int, options) -> dict:
     """A pool of ``size`` slots holding a copy of each of ``templates`` (prefilled sequences), each copy made only
-    once the pool admits it (a copy that cannot fit is never made): after ``WARM_STEPS`` untimed steps, the mean
+    once the pool admits it (a copy that cannot fit is never made): after ``WARM_STEPS`` untimed steps and one whose
+    operations are counted (eager: ``ops_per_step``, ``ops_per_layer``), the mean
     milliseconds of ``steps`` steps and the tokens per second; or ``fits``, the rows the device's free memory
     admitted, where it did not admit them all."""
     device = next(model.parameters()).device
@@ -65,14 +67,22 @@ def timed_steps(model, templates: list, size: int, graphs: bool, steps: int, opt
     for template in templates:
         if not pool.admits(template):
             return {"fits": len(pool.sequences)}
-        pool.join(copy_of(template, WARM_STEPS + steps + 1))
+        pool.join(copy_of(template, WARM_STEPS + steps + 2))
     for _ in range(WARM_STEPS):
+        pool.step()
+    counted = {}
+    if not graphs:       # a replayed graph dispatches nothing to count: the eager step's operations stand for it
+        ops = StepOps()
+        with ops.counting():
+            pool.step()
+        counted = {"ops_per_step": ops.ops, "ops_per_layer": ops.ops / model.config.num_hidden_layers}
+    else:
         pool.step()
     start = clock(device)
     for _ in range(steps):
         pool.step()
     elapsed = clock(device) - start
-    return {"ms_per_step": 1000 * elapsed / steps, "tokens_per_s": len(templates) * steps / elapsed}
+    return {"ms_per_step": 1000 * elapsed / steps, "tokens_per_s": len(templates) * steps / elapsed, **counted}
 
 
 def run(args) -> list[dict]:
@@ -95,7 +105,7 @@ def run(args) -> list[dict]:
 
     for context in args.contexts:
         ids = random_prompt(model, context).to(device)
-        tokens = WARM_STEPS + steps + 1
+        tokens = WARM_STEPS + steps + 2
         prefilled = {c: prefill(model, ids, [Cell(method)], tokens, set(), options=options)[0]
                      for c, method in built.items()}
         common = {"model": args.model, "device": device, "device_name": device_name(device),

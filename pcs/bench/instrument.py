@@ -150,8 +150,20 @@ class CompressionOps:
         return None
 
 
+class StepOps:
+    """Operations one eager decoding step dispatches (``counting()`` around it), views and allocations aside: on a
+    GPU each is at least one kernel launch, so a step's count per layer is what a captured or compiled step would
+    have to fold."""
+
+    def __init__(self):
+        self.ops = 0
+
+    def counting(self):
+        return _OpCounter(self)
+
+
 class _OpCounter(TorchDispatchMode):
-    def __init__(self, owner: CompressionOps):
+    def __init__(self, owner):
         super().__init__()
         self.owner = owner
 

@@ -294,16 +294,18 @@ def decode_rows(rows: list[dict]) -> list[dict]:
 
 def decode_table(rows: list[dict]) -> str:
     """The decode bench's table: per context, configuration, pool size and graphs, the step against its bound."""
-    lines = ["| context | cache | pool | CUDA graphs | ms/step | tokens/s | bound ms | x bound |",
-             "|---:|---|---:|---|---:|---:|---:|---:|"]
+    lines = ["| context | cache | pool | CUDA graphs | ms/step | tokens/s | bound ms | x bound | ops/layer |",
+             "|---:|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         cache = r["method"] + (f" b{r['budget']}" if r.get("budget") else "")
         if "ms_per_step" not in r:
             lines.append(f"| {r['context']} | {cache} | {r['pool']} | {'yes' if r['cuda_graphs'] else 'no'} | "
-                         f"fits {r['fits']} | - | {r['bound_ms']:.2f} | - |")
+                         f"fits {r['fits']} | - | {r['bound_ms']:.2f} | - | - |")
             continue
+        ops = f"{r['ops_per_layer']:.0f}" if "ops_per_layer" in r else "-"
         lines.append(f"| {r['context']} | {cache} | {r['pool']} | {'yes' if r['cuda_graphs'] else 'no'} | "
-                     f"{r['ms_per_step']:.2f} | {r['tokens_per_s']:.1f} | {r['bound_ms']:.2f} | {r['of_bound']:.2f} |")
+                     f"{r['ms_per_step']:.2f} | {r['tokens_per_s']:.1f} | {r['bound_ms']:.2f} | {r['of_bound']:.2f} | "
+                     f"{ops} |")
     bandwidth = {r["bandwidth_gb_s"] for r in rows}
     return "\n".join(lines) + "\n\nCopy bandwidth measured in the same process: " + \
         ", ".join(f"{b:.0f} GB/s" for b in sorted(bandwidth))
