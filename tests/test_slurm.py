@@ -3,6 +3,7 @@ shards it writes what an unsharded local run writes; a shard's job cancelled mid
 and the sweep re-submitted completes it; a job requeued while it runs, and a job reaching its time limit
 (submitit checkpoints and requeues it on SLURM's signal), resume from their rows; nothing is lost or duplicated.
 Skipped, saying why, where no cluster answers; left out of ``make test`` (``pytest -m slurm`` runs them)."""
+import functools
 import json
 import shutil
 import subprocess
@@ -24,16 +25,30 @@ GRID = ["budget=64", "benchmark.context_lengths=[600,900]", "benchmark.depth_per
         "benchmark.max_new_tokens=24", "engine.pool=1"]
 
 
+@functools.cache
 def cluster_answers() -> str | None:
+    """Why the SLURM tests cannot run here (None: a controller answers). Asked once, and only when a SLURM test is
+    about to run: with slurm-wlm installed and no controller, sinfo waits seconds before it gives up, which every
+    collection of the suite (``make test`` deselects these tests) would otherwise pay."""
     if shutil.which("sbatch") is None:
         return "no sbatch: install slurm-wlm and run scripts/local_slurm.sh start"
-    probe = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
+    try:
+        probe = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return "sinfo did not answer within 60 s: run scripts/local_slurm.sh start"
     if probe.returncode != 0 or not probe.stdout.strip():
         return "no SLURM controller answers: run scripts/local_slurm.sh start"
     return None
 
 
-pytestmark = [pytest.mark.slurm, pytest.mark.skipif(cluster_answers() is not None, reason=str(cluster_answers()))]
+pytestmark = pytest.mark.slurm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def a_cluster():      # module-scoped: it skips before the module's reference runs are made
+    why = cluster_answers()
+    if why is not None:
+        pytest.skip(why)
 
 
 def overrides(results):
