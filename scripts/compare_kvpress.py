@@ -1,5 +1,5 @@
 """Prefill-plus-compression time of pcs against NVIDIA's kvpress on the same model and the same prompt,
-the two implementations alternated within one session.
+the two implementations alternated in one measurement, so that drift of the machine falls on both alike.
 
 kvpress 0.5.5 needs transformers<5.3 and pcs needs >=5.20, so kvpress runs in its own virtual
 environment. Each implementation runs in a worker process that loads the model once and answers

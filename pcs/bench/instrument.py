@@ -102,7 +102,7 @@ def compression_breakdown(events) -> str:
 ATTENTION_OP = "aten::scaled_dot_product_attention"
 CALLS_CONTEXT = 4096    # tokens of the prompt the attention calls are counted on: how many calls a decode step
                         # makes per layer does not depend on the prompt's length, and one more prefill of 128K
-                        # tokens per configuration would cost a GPU session minutes
+                        # tokens per configuration would cost minutes of device time
 
 
 def attention_calls_per_token(model, method, ids, steps: int = 4, options=None) -> float:
