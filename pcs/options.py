@@ -71,10 +71,9 @@ class EngineOptions:
         return dataclasses.replace(base, **given, stage2=dataclasses.replace(base.stage2, **search))
 
     def with_(self, **changes) -> EngineOptions:
-        """A copy with fields changed; ``stage2_<field>`` changes the search's."""
+        """A copy with fields changed, as a config block would change them; ``stage2_<field>``: the search's."""
         search = {k.removeprefix("stage2_"): changes.pop(k) for k in list(changes) if k.startswith("stage2_")}
-        stage2 = dataclasses.replace(self.stage2, **search) if search else self.stage2
-        return dataclasses.replace(self, **changes, stage2=stage2)
+        return EngineOptions.from_config({**changes, "stage2": search}, base=self)
 
 
 @functools.cache
