@@ -43,8 +43,8 @@
 # DECODE=1: the decode measurement alone, first whenever a GPU is at hand (Llama-3.1-8B shapes, 32 layers: at
 # DECODE_CONTEXTS, 8K and 32K, the full cache, SnapKV and AdaKV at budgets 128 and 1024, pools of 1, 8 and 64 and a
 # mixed pool, with and without CUDA graphs, DECODE_TOKENS=16 timed steps each, every row against its bound; the
-# device's copy bandwidth measured in the same process). Written to be at most 6 minutes with TESTS=graphs; not yet
-# run on a GPU, so its time is an estimate.
+# device's copy bandwidth measured in the same process). With TESTS=graphs it took 145 s on an H200 (the table:
+# results/bench/README.md, "GPU: decoding against its bound").
 #
 # Knobs: CONTEXTS, METHODS (the full cache is always measured), BUDGETS, PRESETS, POOLS (decode pool sizes; empty:
 # no pools), REPEATS, ANALYSIS (the 32K perturbation analysis; default: only when CONTEXTS holds 32768), TESTS,
