@@ -29,6 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from .hybrid import attention_windows
+from .kernels.decode_attention import decode_attention
 from .tensor_rows import rows_at
 
 ATTN_IMPLEMENTATION = "pcs"
@@ -44,11 +45,13 @@ class HeldKeys(NamedTuple):
     query row sees (None: all L), shaped (H_kv, 1 or group, q_len, L) for one sequence or (batch, H_kv,
     1 or group, L) for a decode pool's one-token step, and who wants the step's queries (None: nobody).
     ``spans``: a pool's (start, stop, width) runs of slots that read only their first ``width`` of the L keys
-    (None: every slot reads all L in one call)."""
+    (None: every slot reads all L in one call). ``lengths``: a pool's (batch x H_kv,) entries per head on the
+    device, where its step attends through ``pcs.kernels.decode_attention`` (None: masked SDPA)."""
     keys: torch.Tensor
     mask: torch.Tensor | None
     record: Callable[[torch.Tensor, float | None], None] | None = None
     spans: tuple[tuple[int, int, int], ...] | None = None
+    lengths: torch.Tensor | None = None
 
 
 class CompressibleLayer(CacheLayerMixin):
@@ -412,10 +415,17 @@ def held_attention(module, query, key, value, attention_mask, scaling=None, drop
             return sliding_prefill_attention(module, query, key, value, attention_mask, scaling, window, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    keys, mask, record, spans = key
+    keys, mask, record, spans, lengths = key
     batch, n_q_heads, q_len, d = query.shape
     n_kv_heads = keys.shape[1]
     group = n_q_heads // n_kv_heads
+    if lengths is not None:      # a pool's step on CUDA: each (row, KV head) reads its own entries
+        rows = query.reshape(batch, n_kv_heads, group, d)
+        chosen = mask.reshape(batch, n_kv_heads, group, -1) if mask.shape[-2] > 1 else None   # per query head
+        out = decode_attention(rows, keys, value, lengths, d ** -0.5 if scaling is None else scaling, chosen)
+        if record is not None:
+            record(query, scaling)
+        return out.reshape(batch, n_q_heads, 1, d).transpose(1, 2), None
     rows = query.reshape(batch, n_kv_heads, group * q_len, d)
     if mask is not None:
         if q_len == 1:      # one row pattern per KV head, or one per query head: (batch, H_kv, 1 or group, L)

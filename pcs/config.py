@@ -218,8 +218,10 @@ def validate(cfg: DictConfig) -> None:
     if isinstance(search.loose_share, bool) or not isinstance(search.loose_share, (int, float)) \
             or not 0 <= search.loose_share <= 1:
         raise ConfigError(f"engine.stage2.loose_share={search.loose_share!r} must lie in [0, 1]")
-    if not isinstance(search.value_norm_kernel, bool) or not isinstance(options.cuda_graphs, bool):
-        raise ConfigError("engine.stage2.value_norm_kernel and engine.cuda_graphs must be true or false")
+    if not all(isinstance(flag, bool) for flag in (search.value_norm_kernel, options.cuda_graphs,
+                                                    options.decode_kernel)):
+        raise ConfigError("engine.stage2.value_norm_kernel, engine.cuda_graphs and engine.decode_kernel must be "
+                          "true or false")
     if isinstance(options.layers_behind, bool) or not isinstance(options.layers_behind, int) \
             or options.layers_behind < 0:
         raise ConfigError(f"engine.layers_behind={options.layers_behind!r} must be a whole number of layers "

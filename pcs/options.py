@@ -47,13 +47,16 @@ class Stage2Search:
 @dataclass(frozen=True)
 class EngineOptions:
     """How a run's answers are computed. ``pool``: most answers decoding together (None: 32 on a CPU, 256 on
-    CUDA, fewer as free memory requires). ``cuda_graphs``: on CUDA each decoding step replays a captured graph.
+    CUDA, fewer as free memory requires). ``cuda_graphs``: on CUDA each decoding step replays a captured graph. ``decode_kernel``: on CUDA, a
+    pool's decoding attention goes through ``pcs.kernels.decode_attention``, each (row, KV head) reading its own
+    entries (else one masked SDPA call over the padded capacity, which every row reads).
     ``stop_when_scored``: an answer ends once its score is decided (benchmarks that declare it). ``layers_behind``:
     on CUDA, each layer is compressed this many layers behind the prefill's forward, on a stream of its own, so the
     host's waits inside a selection overlap the forward (0: right after its own forward; each layer behind holds one
     more full layer during the prefill); on a CPU always 0. ``stage2``: stage 2's search."""
     pool: int | None
     cuda_graphs: bool
+    decode_kernel: bool
     stop_when_scored: bool
     layers_behind: int
     stage2: Stage2Search

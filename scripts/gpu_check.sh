@@ -43,8 +43,10 @@
 # DECODE=1: the decode measurement alone, first whenever a GPU is at hand (Llama-3.1-8B shapes, 32 layers: at
 # DECODE_CONTEXTS, 8K and 32K, the full cache, SnapKV and AdaKV at budgets 128 and 1024, pools of 1, 8 and 64 and a
 # mixed pool, with and without CUDA graphs, DECODE_TOKENS=16 timed steps each, every row against its bound; the
-# device's copy bandwidth measured in the same process). With TESTS=graphs it took 145 s on an H200 (the table:
-# results/bench/README.md, "GPU: decoding against its bound").
+# device's copy bandwidth measured in the same process; rows through the decode kernel, and at MASKED_CONTEXTS,
+# 32K, through masked attention too, for a comparison on the same machine). TESTS=graphs runs the decode tests
+# first: the CUDA-graph tests, the kernel's, and pooled decoding through the kernel against batch 1. Before the
+# kernel, it took 145 s on an H200 (the table: results/bench/README.md, "GPU: decoding against its bound").
 #
 # Knobs: CONTEXTS, METHODS (the full cache is always measured), BUDGETS, PRESETS, POOLS (decode pool sizes; empty:
 # no pools), REPEATS, ANALYSIS (the 32K perturbation analysis; default: only when CONTEXTS holds 32768), TESTS,
@@ -93,12 +95,15 @@ OUT_FILE=$DEST/gpu_${DEVICE}.jsonl
 EAGER=${EAGER:-0}
 
 tests_rc=0   # a failing test does not stop the bench; the script exits with the tests' status at the end
-if [ "${TESTS:-1}" = graphs ]; then          # the CUDA-graph test alone (DECODE=1's check before it times)
+if [ "${TESTS:-1}" = graphs ]; then          # the decode tests alone (DECODE=1's check before it times)
   LOG=$DEST/gpu_${DEVICE}_tests.log
   if ! "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k cuda_graph 2>&1 | tee "$LOG"; then
     tests_rc=1 EAGER=1
     echo "[gpu_check] the CUDA-graph test failed: pools decode without graphs (EAGER=1)"
   fi
+  "$PY" -m pytest -q tests/test_decode_attention.py -p no:cacheprovider 2>&1 | tee -a "$LOG" || tests_rc=1
+  "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k through_the_kernel 2>&1 | tee -a "$LOG" \
+    || tests_rc=1
 elif [ "${TESTS:-1}" != 0 ]; then
   LOG=$DEST/gpu_${DEVICE}_tests.log
   # the CUDA-graph test first: if capture fails there, the pools below decode eagerly instead of failing late
@@ -120,6 +125,9 @@ if [ "${DECODE:-0}" = 1 ]; then
   [ "$EAGER" = 0 ] || decode_args+=(--eager)
   for context in ${DECODE_CONTEXTS:-8192 32768}; do
     "$PY" -m pcs.bench --contexts "$context" "${decode_args[@]}" | tee -a "$DECODE_FILE"
+  done
+  for context in ${MASKED_CONTEXTS-32768}; do    # the masked attention beside it, on the same machine
+    "$PY" -m pcs.bench --contexts "$context" "${decode_args[@]}" --no-decode-kernel | tee -a "$DECODE_FILE"
   done
   "$PY" -m pcs.bench --report "$DECODE_FILE"
   exit "$tests_rc"

@@ -194,6 +194,25 @@ def test_cuda_graph_decoding_with_triggers_gives_eager_tokens(graph_arch):
     assert all(n > 0 for (i, j), (_, n) in eager.items() if cells[j][1] is not None)   # every trigger was crossed
 
 
+def test_cuda_pooled_decoding_through_the_kernel_gives_batch_one_tokens(arch):
+    """Pools of 1, 3 and 8 replaying captured graphs, every row attending through pcs.kernels.decode_attention
+    over its own entries (per-head lengths, per-query-head choices, sliding windows, the full cache beside
+    compressed rows), against each sequence decoded alone, eagerly, on its batch-1 cache: the same tokens but at
+    near-ties (tests/test_pool.py's ``compare``); then rows recompressed while decoding."""
+    from pcs.engine import DecodePool
+    from test_pool import LENGTH_CELLS, TRIGGERED, compare, samples
+    model = tiny_model(arch).cuda()
+    assert all(layer.kernel for layer in DecodePool(model, 2).cache.layers)
+    sample_list = samples(model)
+    differ, _, compared = compare(model, sample_list, LENGTH_CELLS, graphs=True)
+    assert compared == 3 * 4 * len(LENGTH_CELLS) and differ <= compared // 100
+    for s in sample_list:
+        s["max_new"], s["stops"] = 30, set()
+    differ, _, compared = compare(model, sample_list, TRIGGERED, sizes=(3, 8), triggers=[60] * len(TRIGGERED),
+                                  graphs=True)
+    assert compared == 2 * 4 * len(TRIGGERED) and differ <= compared // 100
+
+
 def cuda_layer(n, seed=0, dtype=torch.bfloat16, h_kv=8, h_q=32, d=128, hidden=4096, **search):
     """One layer of Llama-3.1-8B's shapes with random bfloat16 values, on the GPU; ``search``: stage 2's options
     changed from the defaults (``pcs.options.Stage2Search``)."""

@@ -57,13 +57,14 @@ def batch1(model, ids, methods, max_new, stops, question=None, min_new=0, trigge
 
 def decode_alone(model, cache, method, logits, n, max_new, stops, question, min_new, trigger):
     stats = CompressionStats(max_kv_entries=cache.most_entries())
-    stop_ids = torch.tensor(sorted(stops), dtype=torch.long)
+    device = logits.device
+    stop_ids = torch.tensor(sorted(stops), dtype=torch.long, device=device)
     tokens, margins = [], []
     with recompress_when_full(model, method, cache, trigger, stats):
         if question is not None:
             q = question.shape[1]
-            logits = model(input_ids=question, position_ids=torch.arange(n, n + q)[None], past_key_values=cache,
-                           use_cache=True, logits_to_keep=1).logits
+            logits = model(input_ids=question, position_ids=torch.arange(n, n + q, device=device)[None],
+                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits
             n += q
         kv_bytes = cache.nbytes()
         while len(tokens) < max_new:
@@ -78,7 +79,8 @@ def decode_alone(model, cache, method, logits, n, max_new, stops, question, min_
             tokens.append(next_id)
             if len(tokens) == max_new:
                 break
-            logits = model(input_ids=torch.tensor([[next_id]]), position_ids=torch.tensor([[n + len(tokens) - 1]]),
+            logits = model(input_ids=torch.tensor([[next_id]], device=device),
+                           position_ids=torch.tensor([[n + len(tokens) - 1]], device=device),
                            past_key_values=cache, use_cache=True).logits
     return {"tokens": tokens, "margins": margins, "kv_bytes": kv_bytes, "max_kv_entries": stats.max_kv_entries,
             "n_compressions": stats.n_compressions}
@@ -88,9 +90,10 @@ def samples(model, vocab=256):
     """Prompts of different lengths (one shorter than the budget: kept whole), a question fed after compression,
     and per-sample limits and stops; a stop is a token the full cache's answer reaches, so rows end early."""
     g = torch.Generator().manual_seed(7)
-    out = [dict(ids=torch.randint(0, vocab, (1, n), generator=g), max_new=m, min_new=lo, question=None)
+    device = next(model.parameters()).device
+    out = [dict(ids=torch.randint(0, vocab, (1, n), generator=g).to(device), max_new=m, min_new=lo, question=None)
            for n, m, lo in ((90, 12, 0), (150, 7, 3), (30, 16, 0), (120, 9, 2))]
-    out[3]["question"] = torch.randint(0, vocab, (1, 5), generator=g)
+    out[3]["question"] = torch.randint(0, vocab, (1, 5), generator=g).to(device)
     for s in out:
         (full,) = batch1(model, s["ids"], [build(("method=full",))], s["max_new"], set(), s["question"])
         answer = full["tokens"]
@@ -98,10 +101,10 @@ def samples(model, vocab=256):
     return out
 
 
-def compare(model, sample_list, cells, sizes=(1, 3, 8), triggers=None):
+def compare(model, sample_list, cells, sizes=(1, 3, 8), triggers=None, graphs=False):
     """Pooled tokens against batch 1's for every (sample, cell) and pool size, each size with its own order of
     arrival (samples and each sample's cells shuffled): (rows that differ, largest margin at a differing row,
-    rows compared)."""
+    rows compared). ``graphs``: the pools replay captured CUDA graphs."""
     triggers = triggers or [None] * len(cells)
     want = {}
     for i, s in enumerate(sample_list):
@@ -122,7 +125,7 @@ def compare(model, sample_list, cells, sizes=(1, 3, 8), triggers=None):
                 yield Arrival(model, s["ids"], [Cell(build(cells[j]), triggers[j]) for j in cell_order], s["max_new"],
                               s["stops"], s["question"], s["min_new"], owners=[(i, j) for j in cell_order])
 
-        got = {seq.owner: seq.result for seq in decode(DecodePool(model, size), arrivals())}
+        got = {seq.owner: seq.result for seq in decode(DecodePool(model, size, graphs), arrivals())}
         assert set(got) == set(want)
         for key, ref in want.items():
             compared += 1
@@ -297,10 +300,42 @@ def test_pooled_decoding_on_the_embedded_model(embedded_dir):
     assert compared == 3 * len(EMBEDDED_CELLS) and differ <= 1
 
 
-def test_pooled_rows_equal_masked_full_attention(arch):
+@pytest.fixture
+def through_lengths(monkeypatch):
+    """Pools attend as on CUDA, through ``pcs.kernels.decode_attention``: each (slot, KV head) over its own
+    entries, by the lengths the pool keeps on the device, the mask only for query heads that chose apart. On a CPU
+    its torch reference computes it; under ``TRITON_INTERPRET=1`` (with Triton installed) the kernel itself."""
+    from pcs.engine import pool as pool_module
+    monkeypatch.setattr(pool_module.decode_attention, "available", lambda device, d: True)
+
+
+LENGTH_CELLS = [("method=adakv", "selection=perturbation"), ("method=snapkv", "profile=adakv",
+                                                            "profile.gqa=per_query_head"),
+                ("method=pyramidkv", "selection=attention", "profile=kvpress"), ("method=full",),
+                ("method=streamingllm",), ("method=laprox",)]
+
+
+def test_pooled_decoding_through_head_lengths_gives_batch_one_tokens(arch, through_lengths):
+    """Sequences joining, leaving and moving between slots, of per-head lengths, per-query-head choices and
+    sliding windows, and rows recompressed while decoding: the device's lengths follow them all."""
+    model = tiny_model(arch)
+    sample_list = samples(model)
+    differ, _, compared = compare(model, sample_list, LENGTH_CELLS)
+    assert compared == 3 * 4 * len(LENGTH_CELLS) and differ <= compared // 100
+    for s in sample_list:
+        s["max_new"], s["stops"] = 30, set()
+    _, _, compared = compare(model, sample_list, TRIGGERED, sizes=(3, 8), triggers=[60] * len(TRIGGERED))
+    assert compared == 2 * 4 * len(TRIGGERED)
+
+
+@pytest.mark.parametrize("attend", ["mask", "lengths"])
+def test_pooled_rows_equal_masked_full_attention(arch, attend, request):
     """Independent of batch-1 decoding: sequences of different methods (per-head lengths, per-query-head masks)
     and prompt lengths share a pool; each row's logits at every step equal dense attention with that sequence's
-    evicted entries masked."""
+    evicted entries masked, whether the pool attends through its mask or (as on CUDA) through each head's
+    length kept on the device, which must equal the host's after every step."""
+    if attend == "lengths":
+        request.getfixturevalue("through_lengths")
     model = tiny_model(arch)
     g = torch.Generator().manual_seed(3)
     cells = [("method=adakv", "selection=perturbation"), ("method=snapkv", "profile=adakv", "profile.gqa=per_query_head"),
@@ -313,7 +348,8 @@ def test_pooled_rows_equal_masked_full_attention(arch):
         with torch.no_grad(), compress_after_prefill(model, spy, cache):
             model(input_ids=ids, past_key_values=cache)
         rows.append((ids, tokens, spy, cache))
-    pool = PoolCache(model.config, model.dtype, "cpu")
+    pool = PoolCache(model.config, model.dtype, "cpu", kernel=True)
+    assert all(layer.kernel == (attend == "lengths") for layer in pool.layers)
     for slot, (_, _, _, cache) in enumerate(rows):
         for layer, held in zip(pool.layers, cache.layers):
             layer.load(slot, held, 6)
@@ -325,6 +361,9 @@ def test_pooled_rows_equal_masked_full_attention(arch):
             pool.prepare_step(len(rows))
             got.append(model(input_ids=ids, position_ids=positions, past_key_values=pool).logits[:, -1])
             pool.stepped(len(rows))
+            for layer in pool.layers:
+                held = layer.held[:len(rows) * layer.n_kv_heads].view(len(rows), -1)
+                assert torch.equal(held, torch.from_numpy(layer.lengths[:len(rows)])), (t, layer)
     got = torch.stack(got, dim=1)                                 # (rows, steps, vocab)
     for row, (ids, tokens, spy, _) in enumerate(rows):
         with torch.no_grad():

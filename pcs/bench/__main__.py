@@ -57,6 +57,10 @@ def parse(argv=None):
                         "exact norms from pcs.kernels.value_norms's one kernel, or (--no-value-norm-kernel) from "
                         "batched products (default: engine.stage2.value_norm_kernel); rows say which in "
                         "value_norm_kernel, and the report pairs only rows alike")
+    parser.add_argument("--decode-kernel", action=argparse.BooleanOptionalAction, help="on CUDA, a pool's "
+                        "decoding attention through pcs.kernels.decode_attention (each row's own entries), or "
+                        "(--no-decode-kernel) one masked SDPA call over the padded capacity (default: "
+                        "engine.decode_kernel); --decode rows say which in decode_kernel")
     parser.add_argument("--stage2-search", choices=["auto", "bounded", "exhaustive"], help="on an accelerator, "
                         "stage 2 bounds its norms and scores the entries the bounds leave (bounded), scores every "
                         "entry (exhaustive; the same entries are kept), or (auto) scores every entry in layers "

@@ -18,6 +18,8 @@ import torch
 
 from ..compression import CompressionStats
 from ..engine import Cell, DecodePool, clock, prefill
+from ..hybrid import head_dim
+from ..kernels import decode_attention
 from ..eviction import build_method
 from .instrument import StepOps
 from .measure import build_model, composed, device_name, engine_options, random_prompt
@@ -92,6 +94,7 @@ def run(args) -> list[dict]:
     model = build_model(args.model, args.layers, device, args.model_path)
     per_second = bandwidth(torch.device(device))
     weights = step_weight_bytes(model)
+    kernel = options.decode_kernel and decode_attention.available(torch.device(device), head_dim(model.config))
     steps = args.decode_tokens
     pools = args.pools or list(POOLS)
     modes = [True, False] if device == "cuda" and not args.eager else [False]
@@ -110,7 +113,7 @@ def run(args) -> list[dict]:
                      for c, method in built.items()}
         common = {"model": args.model, "device": device, "device_name": device_name(device),
                   "layers": model.config.num_hidden_layers, "context": context, "steps": steps,
-                  "bandwidth_gb_s": per_second / 1e9, "weight_bytes": weights}
+                  "bandwidth_gb_s": per_second / 1e9, "weight_bytes": weights, "decode_kernel": kernel}
         for (method, budget), seq in prefilled.items():
             for size in pools:
                 for graphs in modes:

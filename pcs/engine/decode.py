@@ -147,7 +147,8 @@ class DecodePool:
     def release(self) -> None:
         """Fresh, smallest buffers (the empty pool's grown ones, and their captured graphs, are freed)."""
         assert not self.sequences, "release() with sequences in flight"
-        self.cache = PoolCache(self.model.config, self.model.dtype, self.device, max(self.size, 1))
+        self.cache = PoolCache(self.model.config, self.model.dtype, self.device, max(self.size, 1),
+                               self.options.decode_kernel)
         self.layers = self.cache.layers
         self.logits = self.stop_mask = None            # (slots, vocab), allocated with the first sequence
         self.rings: QueryRings | None = None       # the newest queries per layer, while a trigger is in flight

@@ -13,8 +13,13 @@ read fewer keys, ``read_spans``).
 Sequences in flight occupy slots ``[0, live)``: one that leaves is replaced by the last (``move``), so a
 step's batch is a prefix of the slots. The host mirrors every length (``lengths``), so nothing is read
 back from the device to know where entries go, how far attention must look, or when a layer crosses a
-recompression trigger. Write indices and masks advance on the device inside the step (by ``advance``: 1
-for a slot in flight, 0 for a free one), which is what lets a CUDA graph replay the step unchanged.
+recompression trigger. Write indices, masks and the device's lengths (``held``) advance on the device inside
+the step (by ``advance``: 1 for a slot in flight, 0 for a free one), which is what lets a CUDA graph replay the
+step unchanged.
+
+On CUDA (``EngineOptions.decode_kernel``) attention goes through ``pcs.kernels.decode_attention`` instead: each
+(slot, KV head) reads its own first ``held`` entries, so neither the padding of shorter heads nor a longer row
+in flight adds to what a row reads; the mask then serves only query heads that chose apart.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache import CompressibleLayer, HeldKeys
 from ..hybrid import attention_windows, head_dim
+from ..kernels import decode_attention
 from ..upload import upload
 
 GROWTH = 256   # entries added beyond what a growing layer needs (it grows by at least half)
@@ -67,10 +73,12 @@ class PoolLayer(CacheLayerMixin):
     """One decoder layer of the pool (see the module's docstring)."""
     is_sliding = False
 
-    def __init__(self, n_kv_heads: int, head_dim: int, dtype, device, max_slots: int):
+    def __init__(self, n_kv_heads: int, head_dim: int, dtype, device, max_slots: int, kernel: bool = False):
         super().__init__()
         self.n_kv_heads, self.head_dim, self.max_slots = n_kv_heads, head_dim, max_slots
         self.dtype, self.device, self.is_initialized = dtype, torch.device(device), True
+        # each (slot, KV head) attends over its own entries through the kernel, its lengths kept on the device
+        self.kernel = kernel and decode_attention.available(self.device, head_dim)
         self.slots = self.capacity = self.rows = 0
         self.reserve(1, 1, 1)
         self.batch = 0          # sequences in the step's forward: slots [0, batch)
@@ -94,6 +102,7 @@ class PoolLayer(CacheLayerMixin):
         allowed[..., 0] = True       # a free slot sees one zero entry, so its rows stay finite if computed
         lengths = np.zeros((slots, self.n_kv_heads), dtype=np.int64)     # host mirror of what each head holds
         advance = torch.zeros(slots, dtype=torch.long, device=self.device)   # 1 for a slot in flight
+        held = torch.zeros(slots * self.n_kv_heads, dtype=torch.long, device=self.device)  # lengths, on the device
         if self.slots:
             old, cap = self.slots, self.capacity
             keys[:old, :, :cap] = self.key_buffer
@@ -101,8 +110,9 @@ class PoolLayer(CacheLayerMixin):
             allowed[:old, ..., :cap] = self.allowed              # one mask row broadcasts to every query head
             lengths[:old] = self.lengths
             advance[:old] = self.advance
-        self.key_buffer, self.value_buffer, self.allowed, self.lengths, self.advance = \
-            keys, values, allowed, lengths, advance
+            held[:old * self.n_kv_heads] = self.held
+        self.key_buffer, self.value_buffer, self.allowed, self.lengths, self.advance, self.held = \
+            keys, values, allowed, lengths, advance, held
         self.slots, self.capacity, self.rows = slots, capacity, rows
         self.next_slot = torch.zeros(slots * self.n_kv_heads, dtype=torch.long, device=self.device)
         self.next_allowed = torch.zeros(slots * self.n_kv_heads * rows, dtype=torch.long, device=self.device)
@@ -121,8 +131,8 @@ class PoolLayer(CacheLayerMixin):
         return slots * self.n_kv_heads * capacity * (2 * self.head_dim * self.key_buffer.element_size() + rows)
 
     def index(self, slots: int | range) -> None:
-        """The flat write indices into the buffers and the mask of a slot (or a range of them), from the host's
-        lengths: computed on the host, one asynchronous copy each."""
+        """The flat write indices into the buffers and the mask of a slot (or a range of them), and its heads'
+        lengths on the device, from the host's lengths: computed on the host, one asynchronous copy each."""
         slots = range(slots, slots + 1) if isinstance(slots, int) else slots
         if not len(slots):
             return
@@ -132,6 +142,7 @@ class PoolLayer(CacheLayerMixin):
         self.next_slot[first * h:last * h] = upload(np.arange(first * h, last * h) * c + lengths, self.device)
         rows = np.arange(first * h * r, last * h * r)
         self.next_allowed[first * h * r:last * h * r] = upload(rows * c + np.repeat(lengths, r), self.device)
+        self.held[first * h:last * h] = upload(lengths, self.device)
 
     # -- sequences joining, leaving, recompressed --------------------------------------------------------------
     def load(self, slot: int, layer: CompressibleLayer, room: int) -> None:
@@ -199,9 +210,14 @@ class PoolLayer(CacheLayerMixin):
         advance = self.advance[:b, None]          # expand, not repeat_interleave: no size read back from the device
         slots += advance.expand(b, h).reshape(-1)
         self.next_allowed[:b * h * r] += advance.expand(b, h * r).reshape(-1)
-        held = HeldKeys(self.key_buffer[:b, :, :self.width], self.allowed[:b, :, :, :self.width], self.recorder,
-                        self.spans)
-        return held, self.value_buffer[:b, :, :self.width]
+        self.held[:b * h] += advance.expand(b, h).reshape(-1)
+        return self.read(b), self.value_buffer[:b, :, :self.width]
+
+    def read(self, b: int) -> HeldKeys:
+        """What the step's attention reads: slots ``[0, b)``'s first ``width`` entries, the mask over them, and
+        where the kernel attends, each head's length."""
+        return HeldKeys(self.key_buffer[:b, :, :self.width], self.allowed[:b, :, :, :self.width], self.recorder,
+                        self.spans, self.held[:b * self.n_kv_heads] if self.kernel else None)
 
     def get_seq_length(self) -> int:
         return self.width
@@ -220,10 +236,11 @@ class SlidingPoolLayer(PoolLayer):
     ``lengths`` counts the filled slots (at most the window). Never recompressed."""
     is_sliding = True
 
-    def __init__(self, window: int, n_kv_heads: int, head_dim: int, dtype, device, max_slots: int):
+    def __init__(self, window: int, n_kv_heads: int, head_dim: int, dtype, device, max_slots: int,
+                 kernel: bool = False):
         self.window = window
         self.positions = np.zeros(0, dtype=np.int64)   # host mirror: each slot's next position
-        super().__init__(n_kv_heads, head_dim, dtype, device, max_slots)
+        super().__init__(n_kv_heads, head_dim, dtype, device, max_slots, kernel)
 
     def grown(self, slots: int, needed: int, rows: int) -> tuple[int, int, int]:
         return super().grown(slots, 1, 1)[:1] + (self.window, 1)
@@ -235,7 +252,8 @@ class SlidingPoolLayer(PoolLayer):
         super().reserve(slots, needed, rows)
 
     def index(self, slots: int | range) -> None:
-        """The flat write indices of a slot (or a range of them): each ring's slot for its next position."""
+        """The flat write indices of a slot (or a range of them), each ring's slot for its next position, and its
+        filled slots on the device."""
         slots = range(slots, slots + 1) if isinstance(slots, int) else slots
         if not len(slots):
             return
@@ -244,6 +262,7 @@ class SlidingPoolLayer(PoolLayer):
         at = upload(np.arange(first * h, last * h) * w + np.repeat(self.positions[first:last] % w, h), self.device)
         self.next_slot[first * h:last * h] = at
         self.next_allowed[first * h:last * h] = at
+        self.held[first * h:last * h] = upload(self.lengths[first:last].reshape(-1), self.device)
 
     def load(self, slot: int, layer, room: int) -> None:
         if not layer.is_sliding or layer.window != self.window:
@@ -275,26 +294,28 @@ class SlidingPoolLayer(PoolLayer):
         rings = slots - slots % w
         slots.copy_(rings + (slots - rings + self.advance[:b, None].expand(b, h).reshape(-1)) % w)
         self.next_allowed[:b * h].copy_(slots)
-        held = HeldKeys(self.key_buffer[:b, :, :self.width], self.allowed[:b, :, :, :self.width], self.recorder,
-                        self.spans)
-        return held, self.value_buffer[:b, :, :self.width]
+        self.held[:b * h].add_(self.advance[:b, None].expand(b, h).reshape(-1)).clamp_(max=w)   # filled slots
+        return self.read(b), self.value_buffer[:b, :, :self.width]
 
     def stepped(self, batch: int) -> None:
         self.lengths[:batch] = np.minimum(self.lengths[:batch] + 1, self.window)
         self.positions[:batch] += 1
 
 
-def pool_layer(window: int | None, n_kv_heads: int, head_dim: int, dtype, device, max_slots: int) -> PoolLayer:
+def pool_layer(window: int | None, n_kv_heads: int, head_dim: int, dtype, device, max_slots: int,
+               kernel: bool = False) -> PoolLayer:
     if window is None:
-        return PoolLayer(n_kv_heads, head_dim, dtype, device, max_slots)
-    return SlidingPoolLayer(window, n_kv_heads, head_dim, dtype, device, max_slots)
+        return PoolLayer(n_kv_heads, head_dim, dtype, device, max_slots, kernel)
+    return SlidingPoolLayer(window, n_kv_heads, head_dim, dtype, device, max_slots, kernel)
 
 
 class PoolCache(Cache):
-    """The pool's layers, one per decoder layer, called by transformers' models as any cache."""
+    """The pool's layers, one per decoder layer, called by transformers' models as any cache. ``kernel``: on CUDA,
+    attention through ``pcs.kernels.decode_attention`` (``EngineOptions.decode_kernel``)."""
 
-    def __init__(self, config, dtype, device, max_slots: int = 1 << 30):
-        super().__init__(layers=[pool_layer(w, config.num_key_value_heads, head_dim(config), dtype, device, max_slots)
+    def __init__(self, config, dtype, device, max_slots: int = 1 << 30, kernel: bool = False):
+        super().__init__(layers=[pool_layer(w, config.num_key_value_heads, head_dim(config), dtype, device, max_slots,
+                                            kernel)
                                  for w in attention_windows(config)])
 
     def prepare_step(self, batch: int, whole_capacity: bool = False) -> None:

@@ -1,0 +1,111 @@
+"""pcs.kernels.decode_attention: each (row, KV head) attends over its own first ``lengths`` entries, per query head
+only over what it chose where heads chose apart; the kernel (Triton's interpreter on a CPU, CUDA where there is
+one) against the torch reference, and the reference against a softmax written out per query head."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pcs.kernels import decode_attention as da
+
+
+def problem(rows, n_kv_heads, group, capacity, d=16, apart=False, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, n_kv_heads, group, d, generator=g).to(dtype)
+    k = torch.randn(rows, n_kv_heads, capacity, d, generator=g).to(dtype)
+    v = torch.randn(rows, n_kv_heads, capacity, d, generator=g).to(dtype)
+    lengths = torch.randint(1, capacity + 1, (rows * n_kv_heads,), generator=g)
+    lengths[0], lengths[-1] = capacity, 0          # a head that fills the capacity, one that holds nothing
+    allowed = torch.rand(rows, n_kv_heads, group, capacity, generator=g) < 0.6 if apart else None
+    return q, k, v, lengths, allowed
+
+
+def written_out(q, k, v, lengths, scale, allowed):
+    """Per (row, KV head, query head): softmax(q k^T) v over the entries it sees, in float64."""
+    rows, n_kv_heads, group, d = q.shape
+    out = torch.zeros(rows, n_kv_heads, group, d, dtype=torch.float64)
+    for r in range(rows):
+        for h in range(n_kv_heads):
+            n = int(lengths[r * n_kv_heads + h])
+            for j in range(group):
+                seen = torch.arange(n) if allowed is None else allowed[r, h, j, :n].nonzero().flatten()
+                if len(seen):
+                    scores = (k[r, h, seen].double() @ q[r, h, j].double()) * scale
+                    out[r, h, j] = torch.softmax(scores, 0) @ v[r, h, seen].double()
+    return out
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_the_reference_is_a_softmax_over_each_heads_own_entries(apart):
+    q, k, v, lengths, allowed = problem(3, 2, 4, 50, apart=apart)
+    got = da.reference(q, k, v, lengths, 0.3, allowed)
+    torch.testing.assert_close(got.double(), written_out(q, k, v, lengths, 0.3, allowed), rtol=1e-5, atol=1e-5)
+
+
+def test_splits_are_sized_from_the_shapes_alone():
+    assert da.split_size(8, 33024) == 1024 and da.split_size(8, 8448) == 256 and da.split_size(512, 256) == 256
+    assert da.split_size(8, 256) == da.BLOCK                       # never below one block
+    sizes = [da.split_size(p, c) for p in (1, 8, 64, 512) for c in (64, 1000, 40000)]
+    assert all(s % da.BLOCK == 0 and da.BLOCK <= s <= da.LONGEST_SPLIT for s in sizes)
+
+
+@pytest.fixture
+def kernel_device():
+    """Where the kernel runs: CUDA, or the CPU under Triton's interpreter (``TRITON_INTERPRET=1`` from the
+    process's start: Triton reads it when imported; ``test_the_kernel_tests_pass_in_tritons_interpreter``)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        return "cuda"
+    if not da.interpreted():
+        pytest.skip("no CUDA: run under TRITON_INTERPRET=1 (the interpreter test does)")
+    return "cpu"
+
+
+def test_the_kernel_tests_pass_in_tritons_interpreter():
+    """On a CPU with Triton installed, the kernel's tests below in a process of their own under the interpreter."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available() or da.interpreted():
+        pytest.skip("the kernel's tests run in this process")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "the_kernel_gives or "
+                          "the_kernel_reads", __file__], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=600)
+    # 12 problems x float32 and float16, and the test past the lengths; bfloat16's 6 skip in the interpreter
+    assert run.returncode == 0 and "13 passed, 6 skipped" in run.stdout, run.stdout[-3000:]
+
+
+@pytest.mark.parametrize("rows, n_kv_heads, group, capacity, split, apart", [
+    (3, 2, 4, 200, 64, False),      # several splits, merged
+    (2, 2, 4, 50, None, False),     # one split: the kernel writes the answer
+    (2, 2, 2, 130, None, True),     # per-query-head choices
+    (1, 1, 1, 300, 128, False),     # one query head per KV head
+    (2, 2, 3, 70, 64, True),        # a group that is no power of two
+    (2, 2, 4, 90, 64, False),       # with d = 8 below: a head dimension padded to tl.dot's 16
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_kernel_gives_the_reference(kernel_device, rows, n_kv_heads, group, capacity, split, apart, dtype):
+    if dtype == torch.bfloat16 and kernel_device == "cpu":
+        pytest.skip("Triton's interpreter mishandles bfloat16")
+    d = 8 if capacity == 90 else 16
+    q, k, v, lengths, allowed = (t if t is None else t.to(kernel_device)
+                                 for t in problem(rows, n_kv_heads, group, capacity, d, apart, dtype))
+    got = da.decode_attention(q, k, v, lengths, 0.25, allowed, split)
+    want = da.reference(q, k, v, lengths, 0.25, allowed)
+    assert got.dtype == dtype and got.shape == q.shape
+    tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
+    assert (got[-1, -1] == 0).all()                # the head that holds nothing
+
+
+def test_the_kernel_reads_nothing_past_a_heads_length(kernel_device):
+    """Entries past a head's length (the pool's room, a longer head's padding) may hold anything, inf or nan."""
+    q, k, v, lengths, _ = problem(2, 2, 4, 200, dtype=torch.float16)
+    lengths = torch.tensor([130, 7, 64, 1])
+    want = da.reference(q, k, v, lengths, 0.25)
+    for r, h in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        n = int(lengths[2 * r + h])
+        k[r, h, n:], v[r, h, n:] = float("nan"), float("inf")
+    got = da.decode_attention(q.to(kernel_device), k.to(kernel_device), v.to(kernel_device),
+                              lengths.to(kernel_device), 0.25, split=64)
+    torch.testing.assert_close(got.float().cpu(), want.float(), rtol=2e-3, atol=2e-3)
