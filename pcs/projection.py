@@ -2,6 +2,8 @@
 with the decode pool and without it (one answer at a time). Torch-free: it reads a ``pcs.bench`` results file and the benchmark's lengths.
 
     python -m pcs.bench --project experiment=table1 --bench results/bench/gpu_NVIDIA_H100_80GB_HBM3.jsonl
+    python -m pcs.bench --project experiment=table1 --bench results/bench/gpu_NVIDIA_H200.jsonl \
+        --decode-bench results/bench/gpu_NVIDIA_H200_decode.jsonl
 
 Per job (a group of runs sharing each sample's prefill, ``pcs.sweep.plan``) and sample of ``n`` prompt tokens:
 
@@ -12,6 +14,13 @@ Per job (a group of runs sharing each sample's prefill, ``pcs.sweep.plan``) and 
   else ``decode_ms_per_token``); with a pool of ``P``, every
   sequence pays ``ms_per_step(P) / P`` of the widest configuration in the job (the pool pads every row to the
   longest one in flight: with the full cache in the job, the full cache's).
+
+With ``--decode-bench`` (rows of ``python -m pcs.bench --decode``, whose steps are timed alone and captured in
+graphs), decoding is priced from those instead (``DecodeCosts``): one at a time, the batch-1 step of the cell's
+configuration (the full cache, or a compressed cache at the cell's budget: entries held, not the method, set a
+step's cost, so budgets between two measured ones interpolate linearly); pooled, every sequence pays the mixed
+pool's step over its rows (the full cache beside compressed rows, as a shared-prefill job holds them), in the
+largest mixed pool that fit at that context.
 
 Prompt lengths: the data's own (LongBench rows carry their word count) where ``benchmark.data_dir`` holds it,
 otherwise LongBench's published per-task averages (``LONGBENCH_WORDS``), in words, times ``tokens_per_word``.
@@ -77,6 +86,47 @@ def interpolate(points: dict[int, float], n: int) -> float:
     return points[x0] * (n / x0) ** slope
 
 
+class DecodeCosts:
+    """Decoding steps from ``pcs.bench --decode`` rows: the graph-captured ones, and of those the decode kernel's
+    where the file has them (what the engine runs by default)."""
+
+    def __init__(self, rows: list[dict]):
+        timed = [r for r in rows if "ms_per_step" in r and r.get("cuda_graphs")]
+        kernel = any(r.get("decode_kernel") for r in timed)
+        self.rows = [r for r in timed if bool(r.get("decode_kernel")) == kernel]
+        if not self.rows:
+            raise ValueError("--decode-bench: no graph-captured decode rows (python -m pcs.bench --decode on CUDA)")
+
+    def alone(self, budget) -> dict[int, float]:
+        """ms per token of one sequence by context: the full cache's (``budget`` None), or a compressed cache's at
+        ``budget`` (linear in the budget between the nearest two measured, beyond them from the nearest two)."""
+        if budget is None:
+            return {r["context"]: r["ms_per_step"] for r in self.rows if r["method"] == "full" and r["pool"] == 1}
+        out = {}
+        for context in sorted({r["context"] for r in self.rows}):
+            by_budget: dict[int, list[float]] = {}
+            for r in self.rows:
+                if r["context"] == context and r["pool"] == 1 and r.get("budget"):
+                    by_budget.setdefault(r["budget"], []).append(r["ms_per_step"])
+            points = {b: sum(v) / len(v) for b, v in by_budget.items()}     # methods at one budget: their mean
+            if len(points) == 1:
+                out[context] = next(iter(points.values()))
+            elif points:
+                xs = sorted(points)
+                i = max(1, min(len(xs) - 1, next((j for j, x in enumerate(xs) if x >= budget), len(xs) - 1)))
+                x0, x1 = xs[i - 1], xs[i]
+                out[context] = points[x0] + (points[x1] - points[x0]) * (budget - x0) / (x1 - x0)
+        return out
+
+    def pooled(self) -> tuple[dict[int, float], dict[int, int]]:
+        """ms per sequence and token in the largest mixed pool timed at each context, and that pool's size."""
+        best: dict[int, dict] = {}
+        for r in self.rows:
+            if r["method"] == "mixed" and r["pool"] > best.get(r["context"], {"pool": 0})["pool"]:
+                best[r["context"]] = r
+        return ({c: r["ms_per_step"] / r["pool"] for c, r in best.items()}, {c: r["pool"] for c, r in best.items()})
+
+
 class Costs:
     """A bench file's measured costs by configuration (method, selection, budget) and context."""
 
@@ -94,9 +144,13 @@ class Costs:
         return sorted({int(p) for r in self.rows for p in r.get("pools", {})})
 
 
-def project(overrides: list[str], bench_file: str, pool: int | None, tokens_per_word: float = TOKENS_PER_WORD) -> str:
+def project(overrides: list[str], bench_file: str, pool: int | None, tokens_per_word: float = TOKENS_PER_WORD,
+            decode_file: str | None = None) -> str:
     """The projection's text: one line per job and totals."""
     costs = Costs(read_jsonl(Path(bench_file)))
+    if decode_file:
+        return project_with_steps(overrides, costs, bench_file, DecodeCosts(read_jsonl(Path(decode_file))),
+                                  decode_file, tokens_per_word)
     cfgs = sweep_configs(overrides)
     groups = plan(cfgs)
     measured_pools = costs.pools()
@@ -140,4 +194,48 @@ def project(overrides: list[str], bench_file: str, pool: int | None, tokens_per_
                      f"{pooled} | {row[3]:.1f} | - |")
     lines.append(f"total: prefill {totals[0]:.1f} h, decoding {totals[1]:.1f} h one at a time"
                  + (f", {totals[2]:.1f} h in pools of {pool}" if pool else ", pools not measured in this file"))
+    return "\n".join(lines)
+
+
+def job_cells(cfgs: list, group: list[int]) -> tuple[list, list[tuple]]:
+    """A job's distinct runs and their (method, selection, budget) cells, the budget None for a method that reads
+    none (the full cache)."""
+    runs = list({RunIdentity(cfgs[i]).folder: cfgs[i] for i in group}.values())
+    return runs, [(r.method.name, r.selection.name, r.budget if uses("method", r.method.name, "budget") else None)
+                  for r in runs]
+
+
+def project_with_steps(overrides: list[str], costs: Costs, bench_file: str, steps: DecodeCosts, decode_file: str,
+                       tokens_per_word: float) -> str:
+    """``project`` with decoding priced from ``--decode`` rows (``DecodeCosts``)."""
+    cfgs = sweep_configs(overrides)
+    per_row, sizes = steps.pooled()
+    pools = ", ".join(f"{size} at {context}" for context, size in sorted(sizes.items()))
+    lines = [f"[pcs] projected hours of `{' '.join(overrides)}`: prefill from {bench_file}, decoding from "
+             f"{decode_file} (at the answer limits; {tokens_per_word} tokens per word where lengths are in words; "
+             f"pooled: the largest mixed pool timed, {pools or 'none'})",
+             "| job | model | runs | samples | prefill h | decode h, one at a time | decode h, pooled | "
+             "total h, one at a time | total h, pooled |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    totals = [0.0] * 3
+    for number, group in enumerate(plan(cfgs)):
+        runs, cells = job_cells(cfgs, group)
+        full_prefill = costs.of("full", "none", None, "prefill_s")
+        prefill_s = alone_s = pooled_s = 0.0
+        for n, limit in task_lengths(runs[0], tokens_per_word):
+            prefill_s += interpolate(full_prefill, n)
+            for cell in cells:
+                if cell[2] is not None:
+                    extra = costs.of(*cell, "prefill_s")
+                    prefill_s += max(0.0, interpolate(extra, n) - interpolate(full_prefill, n)) if extra else 0.0
+                alone_s += limit * interpolate(steps.alone(cell[2]), n) / 1000
+                if per_row:
+                    pooled_s += limit * interpolate(per_row, n) / 1000
+        hours = [prefill_s / 3600, alone_s / 3600, pooled_s / 3600]
+        totals = [t + h for t, h in zip(totals, hours)]
+        pooled = f"{hours[2]:.1f} | {hours[0] + hours[1]:.1f} | {hours[0] + hours[2]:.1f}" if per_row else \
+            f"not measured | {hours[0] + hours[1]:.1f} | -"
+        lines.append(f"| {number} | {runs[0].model.name} | {len(runs)} | {len(task_lengths(runs[0], tokens_per_word))} "
+                     f"| {hours[0]:.1f} | {hours[1]:.1f} | {pooled} |")
+    lines.append(f"total: prefill {totals[0]:.1f} h, decoding {totals[1]:.1f} h one at a time"
+                 + (f", {totals[2]:.1f} h pooled" if per_row else ", no mixed pool in the decode file"))
     return "\n".join(lines)

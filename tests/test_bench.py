@@ -362,3 +362,37 @@ def test_the_decode_report_reads_rows_against_the_decode_targets(tmp_path, capsy
     assert "compressed steps slower than the full cache's from 8192: 1 of 1; 32768 snapkv b128 pool 1" in out
     assert "snapkv 30.0x batch 1's tokens/s, x1.43 of its bound [target >= 25x and <= x1.5: met]" in out
     assert "mixed pools: not measured" in out
+
+
+def test_the_projection_prices_decoding_from_decode_rows(tmp_path, capsys):
+    """Hand-made ``--decode`` rows, the same at 8K and 32K: batch 1 costs 10 ms (full), 4 ms (budget 128) and 6 ms
+    (budget 1024), the largest mixed pool (8) 16 ms a step; a masked row the projection must not read (the kernel's
+    rows stand). Table 1's job per model: the full cache and SnapKV's two selections at budgets 128 to 1024, so a
+    sample's answer costs, per token of its limit, 10 + 2 x (4 + 4 2/7 + 4 6/7 + 6) ms alone (budgets between two
+    measured ones are linear in entries held) and 9 x 16 / 8 ms pooled."""
+    from pcs.projection import DecodeCosts, sweep_configs, task_lengths
+
+    def row(method, budget, pool, ms, kernel=True, context=8192):
+        return {"method": method, "budget": budget, "pool": pool, "context": context, "cuda_graphs": True,
+                "decode_kernel": kernel, "ms_per_step": ms, "bound_ms": 1.0, "of_bound": ms, "tokens_per_s": 1.0}
+    rows = [row(m, b, p, ms, context=c) for c in (8192, 32768) for m, b, p, ms in
+            (("full", None, 1, 10.0), ("snapkv", 128, 1, 4.0), ("snapkv", 1024, 1, 6.0), ("mixed", None, 1, 10.0),
+             ("mixed", None, 8, 16.0))] + [row("full", None, 1, 100.0, kernel=False)]
+    steps = DecodeCosts(rows)
+    assert steps.alone(None) == {8192: 10.0, 32768: 10.0}
+    assert steps.alone(512)[8192] == pytest.approx(4 + 2 * 384 / 896)
+    assert steps.pooled() == ({8192: 2.0, 32768: 2.0}, {8192: 8, 32768: 8})
+    decode_file, bench_file = tmp_path / "decode.jsonl", tmp_path / "bench.jsonl"
+    decode_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bench_file.write_text("".join(json.dumps({"method": "full", "selection": "none", "budget": None, "context": c,
+                                              "prefill_s": 1.0, "decode_ms_per_token": 1.0}) + "\n"
+                                  for c in (8192, 32768)))
+    main(["--project", "experiment=table1", "--bench", str(bench_file), "--decode-bench", str(decode_file)])
+    out = capsys.readouterr().out
+    limits = sum(limit for _, limit in task_lengths(sweep_configs(["experiment=table1"])[0], 1.3))
+    alone = limits * (10 + 2 * (4 + (4 + 2 * 128 / 896) + (4 + 2 * 384 / 896) + 6)) / 1000 / 3600
+    pooled = limits * 9 * 16 / 8 / 1000 / 3600
+    prefill = 3750 * 1.0 / 3600          # the full cache's prefill, 1 s a sample; no compression measured
+    assert (f"| 0 | llama31 | 9 | 3750 | {prefill:.1f} | {alone:.1f} | {pooled:.1f} | {prefill + alone:.1f} | "
+            f"{prefill + pooled:.1f} |") in out
+    assert f"total: prefill {2 * prefill:.1f} h, decoding {2 * alone:.1f} h one at a time, {2 * pooled:.1f} h pooled" in out

@@ -71,6 +71,8 @@ def parse(argv=None):
     parser.add_argument("--project", metavar="OVERRIDE", nargs="+", help="print the GPU-hours a sweep would take "
                         "(e.g. experiment=table1), from --bench's measured costs; measures nothing")
     parser.add_argument("--bench", metavar="JSONL", help="--project: the bench results to project from")
+    parser.add_argument("--decode-bench", metavar="JSONL", help="--project: price decoding from these --decode rows "
+                        "(graph-captured steps, batch 1 and the mixed pool) instead of --bench's")
     parser.add_argument("--tokens-per-word", type=float, default=1.3, help="--project: prompt tokens per word "
                         "where the benchmark gives lengths in words")
     parser.add_argument("--json", action="store_true", help="one JSON object per configuration")
@@ -106,7 +108,8 @@ def main(argv=None) -> int:
         from ..projection import project
         if not args.bench:
             raise SystemExit("--project needs --bench JSONL: the measured costs to project from")
-        print(project(args.project, args.bench, max(args.pools) if args.pools else None, args.tokens_per_word))
+        print(project(args.project, args.bench, max(args.pools) if args.pools else None, args.tokens_per_word,
+                      args.decode_bench))
         return 0
     if args.decode:
         from .decode import run as decode
