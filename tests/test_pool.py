@@ -610,3 +610,40 @@ def test_query_rings_growth_counts_its_peak(slots, window):
     counted = rings.bytes_for(slots, window)
     peak = peak_allocated_bytes(lambda: rings.reserve(slots, window))
     assert peak <= counted <= peak + 64
+
+
+def test_a_graph_warm_up_leaves_the_pool_as_one_step_leaves_it(arch):
+    """Before capturing a bucket, ``StepGraphs`` runs the step once outside the graph and puts back what that step
+    advanced: every tensor a step updates in place (write indices, the device's lengths, masks, entries) must then
+    be as after one step alone, or the captured replays would start one entry off."""
+    from types import SimpleNamespace
+
+    from pcs.engine.graphs import StepGraphs
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(4)
+    rows = []
+    for cell, n in zip([("method=adakv", "selection=attention"), ("method=full",)], (90, 60)):
+        cache = CompressedCache.of(model.config, 0)
+        with torch.no_grad(), compress_after_prefill(model, build(cell), cache):
+            model(input_ids=torch.randint(0, 256, (1, n), generator=g), past_key_values=cache)
+        rows.append((n, cache))
+    pools = []
+    for warm_up in (False, True):
+        pool = PoolCache(model.config, model.dtype, "cpu")
+        for slot, (_, cache) in enumerate(rows):
+            for layer, held in zip(pool.layers, cache.layers):
+                layer.load(slot, held, 4)
+        ids, positions = torch.tensor([[5], [7]]), torch.tensor([[n] for n, _ in rows])
+        pool.prepare_step(len(rows), whole_capacity=True)
+        with torch.no_grad():
+            if warm_up:
+                graphs = StepGraphs.__new__(StepGraphs)
+                graphs.pool = SimpleNamespace(layers=pool.layers, rings=None)
+                saved = graphs.state()
+                model(input_ids=torch.tensor([[1], [2]]), position_ids=positions, past_key_values=pool)
+                graphs.restore(saved)
+            model(input_ids=ids, position_ids=positions, past_key_values=pool)
+        pools.append(pool)
+    for alone, warmed in zip(*(p.layers for p in pools)):
+        for name in ("next_slot", "next_allowed", "held", "advance", "allowed", "key_buffer", "value_buffer"):
+            assert torch.equal(getattr(alone, name), getattr(warmed, name)), name

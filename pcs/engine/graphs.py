@@ -26,7 +26,7 @@ class StepGraphs:
         """What a captured graph is tied to: the bucket and the address and shape of every buffer it touches."""
         tensors = [t for layer in self.pool.layers
                    for t in (layer.key_buffer, layer.value_buffer, layer.allowed, layer.next_slot, layer.next_allowed,
-                             layer.advance)]
+                             layer.held, layer.advance)]
         tensors += self.pool.rings.tensors() if self.pool.rings is not None else []
         recorders = tuple(layer.recorder is not None for layer in self.pool.layers)
         return (size, recorders) + tuple((t.data_ptr(), tuple(t.shape)) for t in tensors)
@@ -70,7 +70,7 @@ class StepGraphs:
         return out.logits[:, -1]
 
     def state(self) -> list[torch.Tensor]:
-        tensors = [t for layer in self.pool.layers for t in (layer.next_slot, layer.next_allowed)]
+        tensors = [t for layer in self.pool.layers for t in (layer.next_slot, layer.next_allowed, layer.held)]
         tensors += self.pool.rings.tensors() if self.pool.rings is not None else []
         return [(t, t.clone()) for t in tensors]
 
