@@ -109,3 +109,14 @@ def test_the_kernel_reads_nothing_past_a_heads_length(kernel_device):
     got = da.decode_attention(q.to(kernel_device), k.to(kernel_device), v.to(kernel_device),
                               lengths.to(kernel_device), 0.25, split=64)
     torch.testing.assert_close(got.float().cpu(), want.float(), rtol=2e-3, atol=2e-3)
+
+
+def test_the_attention_is_one_operation_to_the_step_counter():
+    """The bench counts an eager step's operations through the dispatcher: the kernel (here its reference) is one,
+    whatever it launches inside."""
+    from pcs.bench.instrument import StepOps
+    q, k, v, lengths, _ = problem(2, 2, 4, 50)
+    ops = StepOps()
+    with ops.counting():
+        da.decode_attention(q, k, v, lengths, 0.25)
+    assert ops.ops == 1

@@ -170,6 +170,23 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     (rows x H_kv,) integers on the device; allowed: None, or (rows, H_kv, group, capacity) booleans, what each
     query head may see. Returns (rows, H_kv, group, d) in the query's dtype; a pair of no entries gives zeros.
     Off CUDA, ``reference`` computes it."""
+    return torch.ops.pcs.decode_attention(query, keys, values, lengths, scale, allowed, split or 0)
+
+
+# One operator for the dispatcher: an eager step's operation count sees one where the kernel launches, and a
+# compiled region can call it without tracing into Triton's launcher.
+@torch.library.custom_op("pcs::decode_attention", mutates_args=())
+def _operator(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, scale: float,
+              allowed: torch.Tensor | None, split: int) -> torch.Tensor:
+    return _attend(query, keys, values, lengths, scale, allowed, split or None)
+
+
+@_operator.register_fake
+def _(query, keys, values, lengths, scale, allowed, split):
+    return query.new_empty(query.shape)
+
+
+def _attend(query, keys, values, lengths, scale, allowed, split):
     if not query.is_cuda and not interpreted():
         return reference(query, keys, values, lengths, scale, allowed)
     rows, n_kv_heads, group, d = query.shape
