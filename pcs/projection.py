@@ -20,7 +20,9 @@ graphs), decoding is priced from those instead (``DecodeCosts``): one at a time,
 configuration (the full cache, or a compressed cache at the cell's budget: entries held, not the method, set a
 step's cost, so budgets between two measured ones interpolate linearly); pooled, every sequence pays the mixed
 pool's step over its rows (the full cache beside compressed rows, as a shared-prefill job holds them), in the
-largest mixed pool that fit at that context.
+largest mixed pool timed at every context of the file, so that interpolating between contexts compares steps of
+one pool size. Prompts shorter than the file's shortest context are priced at that context (a step's weights
+make its floor); no decoding cost is extrapolated below it.
 
 Prompt lengths: the data's own (LongBench rows carry their word count) where ``benchmark.data_dir`` holds it,
 otherwise LongBench's published per-task averages (``LONGBENCH_WORDS``), in words, times ``tokens_per_word``.
@@ -94,8 +96,17 @@ class DecodeCosts:
         timed = [r for r in rows if "ms_per_step" in r and r.get("cuda_graphs")]
         kernel = any(r.get("decode_kernel") for r in timed)
         self.rows = [r for r in timed if bool(r.get("decode_kernel")) == kernel]
-        if not self.rows:
-            raise ValueError("--decode-bench: no graph-captured decode rows (python -m pcs.bench --decode on CUDA)")
+        if not any(r["method"] == "full" and r["pool"] == 1 for r in self.rows):
+            raise ValueError("--decode-bench: no graph-captured batch-1 full-cache rows (python -m pcs.bench "
+                             "--decode on CUDA)")
+        models = {(r.get("model"), r.get("layers")) for r in self.rows}
+        if len(models) > 1:
+            raise ValueError(f"--decode-bench: rows of {len(models)} models or depths; one file prices one")
+        self.shortest = min(r["context"] for r in self.rows)
+
+    def at(self, points: dict[int, float], n: int) -> float:
+        """A step's cost at ``n`` tokens: interpolated between contexts, at the shortest context below it."""
+        return interpolate(points, max(n, self.shortest))
 
     def alone(self, budget) -> dict[int, float]:
         """ms per token of one sequence by context: the full cache's (``budget`` None), or a compressed cache's at
@@ -118,13 +129,16 @@ class DecodeCosts:
                 out[context] = points[x0] + (points[x1] - points[x0]) * (budget - x0) / (x1 - x0)
         return out
 
-    def pooled(self) -> tuple[dict[int, float], dict[int, int]]:
-        """ms per sequence and token in the largest mixed pool timed at each context, and that pool's size."""
-        best: dict[int, dict] = {}
-        for r in self.rows:
-            if r["method"] == "mixed" and r["pool"] > best.get(r["context"], {"pool": 0})["pool"]:
-                best[r["context"]] = r
-        return ({c: r["ms_per_step"] / r["pool"] for c, r in best.items()}, {c: r["pool"] for c, r in best.items()})
+    def pooled(self) -> tuple[dict[int, float], int | None]:
+        """ms per sequence and token by context in the largest mixed pool timed at every context, and its size
+        (None, and no costs, where no mixed pool was timed)."""
+        mixed = [r for r in self.rows if r["method"] == "mixed"]
+        contexts = {r["context"] for r in self.rows}
+        common = [p for p in {r["pool"] for r in mixed} if {r["context"] for r in mixed if r["pool"] == p} == contexts]
+        if not common:
+            return {}, None
+        size = max(common)
+        return {r["context"]: r["ms_per_step"] / size for r in mixed if r["pool"] == size}, size
 
 
 class Costs:
@@ -164,10 +178,7 @@ def project(overrides: list[str], bench_file: str, pool: int | None, tokens_per_
              f"total h, one at a time | total h, pooled |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     totals = [0.0] * 4
     for number, group in enumerate(groups):
-        runs = list({RunIdentity(cfgs[i]).folder: cfgs[i] for i in group}.values())
-        # (method, selection, budget), the budget None for a method that reads none (the full cache)
-        cells = [(r.method.name, r.selection.name, r.budget if uses("method", r.method.name, "budget") else None)
-                 for r in runs]
+        runs, cells = job_cells(cfgs, group)
         samples = task_lengths(runs[0], tokens_per_word)
         full_prefill = costs.of("full", "none", None, "prefill_s")
         widest = next((c for c in cells if c[2] is None), None) or max(cells, key=lambda c: c[2])
@@ -209,17 +220,17 @@ def project_with_steps(overrides: list[str], costs: Costs, bench_file: str, step
                        tokens_per_word: float) -> str:
     """``project`` with decoding priced from ``--decode`` rows (``DecodeCosts``)."""
     cfgs = sweep_configs(overrides)
-    per_row, sizes = steps.pooled()
-    pools = ", ".join(f"{size} at {context}" for context, size in sorted(sizes.items()))
+    per_row, size = steps.pooled()
     lines = [f"[pcs] projected hours of `{' '.join(overrides)}`: prefill from {bench_file}, decoding from "
              f"{decode_file} (at the answer limits; {tokens_per_word} tokens per word where lengths are in words; "
-             f"pooled: the largest mixed pool timed, {pools or 'none'})",
+             f"pooled: " + (f"mixed pools of {size}" if size else "no mixed pool in the file") + ")",
              "| job | model | runs | samples | prefill h | decode h, one at a time | decode h, pooled | "
              "total h, one at a time | total h, pooled |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     totals = [0.0] * 3
     for number, group in enumerate(plan(cfgs)):
         runs, cells = job_cells(cfgs, group)
         full_prefill = costs.of("full", "none", None, "prefill_s")
+        alone = {cell: steps.alone(cell[2]) for cell in cells}
         prefill_s = alone_s = pooled_s = 0.0
         for n, limit in task_lengths(runs[0], tokens_per_word):
             prefill_s += interpolate(full_prefill, n)
@@ -227,9 +238,11 @@ def project_with_steps(overrides: list[str], costs: Costs, bench_file: str, step
                 if cell[2] is not None:
                     extra = costs.of(*cell, "prefill_s")
                     prefill_s += max(0.0, interpolate(extra, n) - interpolate(full_prefill, n)) if extra else 0.0
-                alone_s += limit * interpolate(steps.alone(cell[2]), n) / 1000
+                # a prompt no longer than the budget is kept whole: it decodes as the full cache does
+                cost = alone[cell] if cell[2] is None or cell[2] < n else steps.alone(None)
+                alone_s += limit * steps.at(cost, n) / 1000
                 if per_row:
-                    pooled_s += limit * interpolate(per_row, n) / 1000
+                    pooled_s += limit * steps.at(per_row, n) / 1000
         hours = [prefill_s / 3600, alone_s / 3600, pooled_s / 3600]
         totals = [t + h for t, h in zip(totals, hours)]
         pooled = f"{hours[2]:.1f} | {hours[0] + hours[1]:.1f} | {hours[0] + hours[2]:.1f}" if per_row else \

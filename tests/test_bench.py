@@ -366,8 +366,8 @@ def test_the_decode_report_reads_rows_against_the_decode_targets(tmp_path, capsy
 
 def test_the_projection_prices_decoding_from_decode_rows(tmp_path, capsys):
     """Hand-made ``--decode`` rows, the same at 8K and 32K: batch 1 costs 10 ms (full), 4 ms (budget 128) and 6 ms
-    (budget 1024), the largest mixed pool (8) 16 ms a step; a masked row the projection must not read (the kernel's
-    rows stand). Table 1's job per model: the full cache and SnapKV's two selections at budgets 128 to 1024, so a
+    (budget 1024), the largest mixed pool timed at both (8) 16 ms a step; a masked row the projection must not read
+    (the kernel's rows stand), and a mixed pool of 64 timed at 8K alone, which it must not read either. Table 1's job per model: the full cache and SnapKV's two selections at budgets 128 to 1024, so a
     sample's answer costs, per token of its limit, 10 + 2 x (4 + 4 2/7 + 4 6/7 + 6) ms alone (budgets between two
     measured ones are linear in entries held) and 9 x 16 / 8 ms pooled."""
     from pcs.projection import DecodeCosts, sweep_configs, task_lengths
@@ -378,10 +378,11 @@ def test_the_projection_prices_decoding_from_decode_rows(tmp_path, capsys):
     rows = [row(m, b, p, ms, context=c) for c in (8192, 32768) for m, b, p, ms in
             (("full", None, 1, 10.0), ("snapkv", 128, 1, 4.0), ("snapkv", 1024, 1, 6.0), ("mixed", None, 1, 10.0),
              ("mixed", None, 8, 16.0))] + [row("full", None, 1, 100.0, kernel=False)]
+    rows.append(row("mixed", None, 64, 64.0))        # at 8K only: pools are compared at a size timed everywhere
     steps = DecodeCosts(rows)
     assert steps.alone(None) == {8192: 10.0, 32768: 10.0}
     assert steps.alone(512)[8192] == pytest.approx(4 + 2 * 384 / 896)
-    assert steps.pooled() == ({8192: 2.0, 32768: 2.0}, {8192: 8, 32768: 8})
+    assert steps.pooled() == ({8192: 2.0, 32768: 2.0}, 8)
     decode_file, bench_file = tmp_path / "decode.jsonl", tmp_path / "bench.jsonl"
     decode_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
     bench_file.write_text("".join(json.dumps({"method": "full", "selection": "none", "budget": None, "context": c,

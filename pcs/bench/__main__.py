@@ -108,6 +108,8 @@ def main(argv=None) -> int:
         from ..projection import project
         if not args.bench:
             raise SystemExit("--project needs --bench JSONL: the measured costs to project from")
+        if args.decode_bench and args.pools:
+            raise SystemExit("--pools has no effect with --decode-bench: its mixed pools set the pool")
         print(project(args.project, args.bench, max(args.pools) if args.pools else None, args.tokens_per_word,
                       args.decode_bench))
         return 0

@@ -2,8 +2,8 @@
 layout, replayed at every step, so a step costs one launch instead of hundreds of kernel launches from Python.
 
 What makes the step replayable: the pool's buffers, write indices, masks and query rings are device tensors
-that the step updates in place (``pcs.engine.pool``); attention reads each layer's whole capacity, masked, so
-no shape depends on the sequences' lengths; free slots of the bucket advance by 0 and see one zero entry, so
+that the step updates in place (``pcs.engine.pool``); attention reads each layer's whole capacity (masked, or
+through the decode kernel up to each head's length on the device), so no shape depends on the sequences' lengths; free slots of the bucket advance by 0 and see one zero entry, so
 their rows are finite and ignored. A bucket is captured the first time it is needed with the current buffers;
 when a buffer grows (a longer sequence joins), the graphs captured on the old one are dropped and the bucket
 is captured again. Nothing in the captured forward reads the device from the host: the step's one read is

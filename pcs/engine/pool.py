@@ -19,7 +19,8 @@ step unchanged.
 
 On CUDA (``EngineOptions.decode_kernel``) attention goes through ``pcs.kernels.decode_attention`` instead: each
 (slot, KV head) reads its own first ``held`` entries, so neither the padding of shorter heads nor a longer row
-in flight adds to what a row reads; the mask then serves only query heads that chose apart.
+in flight adds to what a row reads; the mask is read only once some row's query heads chose apart (then for
+every row).
 """
 from __future__ import annotations
 
@@ -211,13 +212,21 @@ class PoolLayer(CacheLayerMixin):
         slots += advance.expand(b, h).reshape(-1)
         self.next_allowed[:b * h * r] += advance.expand(b, h * r).reshape(-1)
         self.held[:b * h] += advance.expand(b, h).reshape(-1)
-        return self.read(b), self.value_buffer[:b, :, :self.width]
+        return self.read(b), self.value_buffer[:b, :, :self.read_width]
+
+    @property
+    def read_width(self) -> int:
+        """Entries per head the step's attention is handed: the capacity where the kernel attends, else ``width``."""
+        return self.capacity if self.kernel else self.width
 
     def read(self, b: int) -> HeldKeys:
-        """What the step's attention reads: slots ``[0, b)``'s first ``width`` entries, the mask over them, and
-        where the kernel attends, each head's length."""
+        """What the step's attention reads: slots ``[0, b)``'s first ``width`` entries and the mask over them; where
+        the kernel attends, the whole capacity and each head's length (the kernel reads up to the length, and a grid
+        that follows the capacity is compiled once per capacity, not once per step's width)."""
+        if self.kernel:
+            return HeldKeys(self.key_buffer[:b], self.allowed[:b], self.recorder, None, self.held[:b * self.n_kv_heads])
         return HeldKeys(self.key_buffer[:b, :, :self.width], self.allowed[:b, :, :, :self.width], self.recorder,
-                        self.spans, self.held[:b * self.n_kv_heads] if self.kernel else None)
+                        self.spans)
 
     def get_seq_length(self) -> int:
         return self.width
@@ -295,7 +304,7 @@ class SlidingPoolLayer(PoolLayer):
         slots.copy_(rings + (slots - rings + self.advance[:b, None].expand(b, h).reshape(-1)) % w)
         self.next_allowed[:b * h].copy_(slots)
         self.held[:b * h].add_(self.advance[:b, None].expand(b, h).reshape(-1)).clamp_(max=w)   # filled slots
-        return self.read(b), self.value_buffer[:b, :, :self.width]
+        return self.read(b), self.value_buffer[:b, :, :self.read_width]
 
     def stepped(self, batch: int) -> None:
         self.lengths[:batch] = np.minimum(self.lengths[:batch] + 1, self.window)

@@ -67,9 +67,9 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["n_kv_heads", "s_qb", "s_qh", "s_qg", "s_kb", "s_kh", "s_kn", "s_vb", "s_vh",
+    @triton.jit(do_not_specialize=["n_kv_heads", "width", "s_qb", "s_qh", "s_qg", "s_kb", "s_kh", "s_kn", "s_vb", "s_vh",
                                    "s_vn", "s_ab", "s_ah", "s_ag", "s_an", "s_ob", "s_oh", "s_og"])
-    def split_attention(q, keys, values, lengths, allowed, acc_out, m_out, l_out, scale, n_kv_heads,
+    def split_attention(q, keys, values, lengths, allowed, acc_out, m_out, l_out, scale, n_kv_heads, width,
                         s_qb, s_qh, s_qg, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ab, s_ah, s_ag, s_an,
                         s_ob, s_oh, s_og, ONE_SPLIT: tl.constexpr,
                         GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD: tl.constexpr, D: tl.constexpr,
@@ -78,9 +78,9 @@ def _kernel():
         pair = tl.program_id(0)
         split = tl.program_id(1)
         n_splits = tl.num_programs(1)
-        b = pair // n_kv_heads
-        h = pair % n_kv_heads
-        n = tl.load(lengths + pair)
+        b = (pair // n_kv_heads).to(tl.int64)        # 64-bit offsets: a layer's buffer may pass 2^31 elements
+        h = (pair % n_kv_heads).to(tl.int64)
+        n = tl.minimum(tl.load(lengths + pair), width)     # never past the buffer, whatever a length says
         rows = tl.arange(0, ROWS)                    # the group's query heads, padded to tl.dot's 16 rows
         dims = tl.arange(0, D)                       # the head dimension HEAD, padded to a power of two
         real = dims < HEAD
@@ -125,7 +125,7 @@ def _kernel():
             tl.store(acc_out + b * s_ob + h * s_oh + rows[:, None] * s_og + dims[None, :],
                      answer.to(acc_out.dtype.element_ty), mask=asked[:, None] & real[None, :])
         else:                                        # a split's partial sums, merged by merge_splits
-            out = (pair * n_splits + split) * ROWS + rows
+            out = (pair * n_splits + split).to(tl.int64) * ROWS + rows
             tl.store(m_out + out, m, mask=asked)
             tl.store(l_out + out, total, mask=asked)
             tl.store(acc_out + out[:, None] * D + dims[None, :], acc, mask=asked[:, None])
@@ -136,8 +136,8 @@ def _kernel():
                      D: tl.constexpr):
         # One program per (row, KV head): the splits' sums rescaled to a common maximum, one after another.
         pair = tl.program_id(0)
-        b = pair // n_kv_heads
-        h = pair % n_kv_heads
+        b = (pair // n_kv_heads).to(tl.int64)
+        h = (pair % n_kv_heads).to(tl.int64)
         rows = tl.arange(0, ROWS)
         dims = tl.arange(0, D)
         asked = rows < GROUP
@@ -145,7 +145,7 @@ def _kernel():
         weight = tl.zeros([ROWS], tl.float32)
         answer = tl.zeros([ROWS, D], tl.float32)
         for split in range(SPLITS):
-            at = (pair * SPLITS + split) * ROWS + rows
+            at = (pair * SPLITS + split).to(tl.int64) * ROWS + rows
             m_split = tl.load(m + at, mask=asked, other=float("-inf"))
             new_top = tl.maximum(top, m_split)
             shift = tl.where(new_top == float("-inf"), 0.0, new_top)
@@ -195,6 +195,10 @@ def _attend(query, keys, values, lengths, scale, allowed, split):
         if t.stride(-1) != 1:
             raise ValueError("decode_attention reads the last dimension contiguously")
     pairs = rows * n_kv_heads
+    if split is not None and (split <= 0 or split % BLOCK):
+        raise ValueError(f"decode_attention: split={split} is not a positive multiple of {BLOCK} entries")
+    if lengths.shape != (pairs,) or (allowed is not None and allowed.shape != (rows, n_kv_heads, group, capacity)):
+        raise ValueError("decode_attention: lengths are (rows x H_kv,), allowed (rows, H_kv, group, capacity)")
     split = split or split_size(pairs, capacity)
     n_splits = max(1, -(-capacity // split))
     padded_rows = max(16, 1 << (group - 1).bit_length())
@@ -211,7 +215,7 @@ def _attend(query, keys, values, lengths, scale, allowed, split):
     mask_strides = allowed.stride() if apart else (0, 0, 0, 0)
     attend, merge_splits = _kernel()
     attend[(pairs, n_splits)](
-        query, keys, values, lengths, mask, acc, m, total, scale, n_kv_heads,
+        query, keys, values, lengths, mask, acc, m, total, scale, n_kv_heads, capacity,
         query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), *mask_strides,
         out.stride(0), out.stride(1), out.stride(2), ONE_SPLIT=n_splits == 1,
