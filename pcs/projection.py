@@ -141,6 +141,19 @@ class DecodeCosts:
         return {r["context"]: r["ms_per_step"] / size for r in mixed if r["pool"] == size}, size
 
 
+class PrefillCosts:
+    """A job's prefill at ``n`` tokens: the full cache's once, plus what each compressed cell's compression adds."""
+
+    def __init__(self, costs: Costs, cells: list[tuple]):
+        self.full = costs.of("full", "none", None, "prefill_s")
+        self.extras = [extra for cell in cells if cell[2] is not None
+                       for extra in [costs.of(*cell, "prefill_s")] if extra]
+
+    def seconds(self, n: int) -> float:
+        full = interpolate(self.full, n)
+        return full + sum(max(0.0, interpolate(extra, n) - full) for extra in self.extras)
+
+
 class Costs:
     """A bench file's measured costs by configuration (method, selection, budget) and context."""
 
@@ -180,16 +193,13 @@ def project(overrides: list[str], bench_file: str, pool: int | None, tokens_per_
     for number, group in enumerate(groups):
         runs, cells = job_cells(cfgs, group)
         samples = task_lengths(runs[0], tokens_per_word)
-        full_prefill = costs.of("full", "none", None, "prefill_s")
+        prefill = PrefillCosts(costs, cells)
         widest = next((c for c in cells if c[2] is None), None) or max(cells, key=lambda c: c[2])
         step = costs.of(*widest, "ms_per_step", pool) if pool else {}
         prefill_s = decode_alone_s = decode_pool_s = 0.0
         for n, limit in samples:
-            prefill_s += interpolate(full_prefill, n)
+            prefill_s += prefill.seconds(n)
             for cell in cells:
-                if cell[2] is not None:
-                    extra = costs.of(*cell, "prefill_s")
-                    prefill_s += max(0.0, interpolate(extra, n) - interpolate(full_prefill, n)) if extra else 0.0
                 per_token = (costs.of(*cell, "ms_per_step", 1) or costs.of(*cell, "decode_ms_per_token")
                              or costs.of(*widest, "decode_ms_per_token"))
                 decode_alone_s += limit * interpolate(per_token, n) / 1000
@@ -229,17 +239,16 @@ def project_with_steps(overrides: list[str], costs: Costs, bench_file: str, step
     totals = [0.0] * 3
     for number, group in enumerate(plan(cfgs)):
         runs, cells = job_cells(cfgs, group)
-        full_prefill = costs.of("full", "none", None, "prefill_s")
+        samples = task_lengths(runs[0], tokens_per_word)
+        prefill = PrefillCosts(costs, cells)
         alone = {cell: steps.alone(cell[2]) for cell in cells}
+        full = steps.alone(None)
         prefill_s = alone_s = pooled_s = 0.0
-        for n, limit in task_lengths(runs[0], tokens_per_word):
-            prefill_s += interpolate(full_prefill, n)
+        for n, limit in samples:
+            prefill_s += prefill.seconds(n)
             for cell in cells:
-                if cell[2] is not None:
-                    extra = costs.of(*cell, "prefill_s")
-                    prefill_s += max(0.0, interpolate(extra, n) - interpolate(full_prefill, n)) if extra else 0.0
                 # a prompt no longer than the budget is kept whole: it decodes as the full cache does
-                cost = alone[cell] if cell[2] is None or cell[2] < n else steps.alone(None)
+                cost = alone[cell] if cell[2] is None or cell[2] < n else full
                 alone_s += limit * steps.at(cost, n) / 1000
                 if per_row:
                     pooled_s += limit * steps.at(per_row, n) / 1000
@@ -247,8 +256,8 @@ def project_with_steps(overrides: list[str], costs: Costs, bench_file: str, step
         totals = [t + h for t, h in zip(totals, hours)]
         pooled = f"{hours[2]:.1f} | {hours[0] + hours[1]:.1f} | {hours[0] + hours[2]:.1f}" if per_row else \
             f"not measured | {hours[0] + hours[1]:.1f} | -"
-        lines.append(f"| {number} | {runs[0].model.name} | {len(runs)} | {len(task_lengths(runs[0], tokens_per_word))} "
-                     f"| {hours[0]:.1f} | {hours[1]:.1f} | {pooled} |")
+        lines.append(f"| {number} | {runs[0].model.name} | {len(runs)} | {len(samples)} | {hours[0]:.1f} | "
+                     f"{hours[1]:.1f} | {pooled} |")
     lines.append(f"total: prefill {totals[0]:.1f} h, decoding {totals[1]:.1f} h one at a time"
                  + (f", {totals[2]:.1f} h pooled" if per_row else ", no mixed pool in the decode file"))
     return "\n".join(lines)

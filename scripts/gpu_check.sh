@@ -45,8 +45,8 @@
 # mixed pool, with and without CUDA graphs, DECODE_TOKENS=16 timed steps each, every row against its bound; the
 # device's copy bandwidth measured in the same process; rows through the decode kernel, and at MASKED_CONTEXTS,
 # 32K, through masked attention too, for a comparison on the same machine). TESTS=graphs runs the decode tests
-# first: the CUDA-graph tests, the kernel's, and pooled decoding through the kernel against batch 1. Before the
-# kernel, it took 145 s on an H200 (the table: results/bench/README.md, "GPU: decoding against its bound").
+# first: the CUDA-graph tests, the kernel's, and pooled decoding through the kernel against batch 1. It took 264 s
+# on an H200 (the table: results/bench/README.md, "GPU: decoding against its bound").
 #
 # Knobs: CONTEXTS, METHODS (the full cache is always measured), BUDGETS, PRESETS, POOLS (decode pool sizes; empty:
 # no pools), REPEATS, ANALYSIS (the 32K perturbation analysis; default: only when CONTEXTS holds 32768), TESTS,

@@ -75,19 +75,18 @@ def test_the_kernel_tests_pass_in_tritons_interpreter():
     assert run.returncode == 0 and "13 passed, 6 skipped" in run.stdout, run.stdout[-3000:]
 
 
-@pytest.mark.parametrize("rows, n_kv_heads, group, capacity, split, apart", [
-    (3, 2, 4, 200, 64, False),      # several splits, merged
-    (2, 2, 4, 50, None, False),     # one split: the kernel writes the answer
-    (2, 2, 2, 130, None, True),     # per-query-head choices
-    (1, 1, 1, 300, 128, False),     # one query head per KV head
-    (2, 2, 3, 70, 64, True),        # a group that is no power of two
-    (2, 2, 4, 90, 64, False),       # with d = 8 below: a head dimension padded to tl.dot's 16
+@pytest.mark.parametrize("rows, n_kv_heads, group, capacity, d, split, apart", [
+    (3, 2, 4, 200, 16, 64, False),     # several splits, merged
+    (2, 2, 4, 50, 16, None, False),    # one split: the kernel writes the answer
+    (2, 2, 2, 130, 16, None, True),    # per-query-head choices
+    (1, 1, 1, 300, 16, 128, False),    # one query head per KV head
+    (2, 2, 3, 70, 16, 64, True),       # a group that is no power of two
+    (2, 2, 4, 90, 8, 64, False),       # a head dimension padded to tl.dot's 16
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_the_kernel_gives_the_reference(kernel_device, rows, n_kv_heads, group, capacity, split, apart, dtype):
+def test_the_kernel_gives_the_reference(kernel_device, rows, n_kv_heads, group, capacity, d, split, apart, dtype):
     if dtype == torch.bfloat16 and kernel_device == "cpu":
         pytest.skip("Triton's interpreter mishandles bfloat16")
-    d = 8 if capacity == 90 else 16
     q, k, v, lengths, allowed = (t if t is None else t.to(kernel_device)
                                  for t in problem(rows, n_kv_heads, group, capacity, d, apart, dtype))
     got = da.decode_attention(q, k, v, lengths, 0.25, allowed, split)

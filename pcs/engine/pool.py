@@ -209,24 +209,20 @@ class PoolLayer(CacheLayerMixin):
         self.value_buffer.view(-1, d).index_copy_(0, slots, value_states.reshape(-1, d))
         self.allowed.view(-1).index_fill_(0, self.next_allowed[:b * h * r], True)
         advance = self.advance[:b, None]          # expand, not repeat_interleave: no size read back from the device
-        slots += advance.expand(b, h).reshape(-1)
-        self.next_allowed[:b * h * r] += advance.expand(b, h * r).reshape(-1)
-        self.held[:b * h] += advance.expand(b, h).reshape(-1)
-        return self.read(b), self.value_buffer[:b, :, :self.read_width]
+        per_head = advance.expand(b, h).reshape(-1)
+        slots += per_head             # in place through views: ``x[:n] += y`` would copy the slice back as well
+        self.next_allowed[:b * h * r].add_(advance.expand(b, h * r).reshape(-1))
+        self.held[:b * h].add_(per_head)
+        return self.read(b)
 
-    @property
-    def read_width(self) -> int:
-        """Entries per head the step's attention is handed: the capacity where the kernel attends, else ``width``."""
-        return self.capacity if self.kernel else self.width
-
-    def read(self, b: int) -> HeldKeys:
-        """What the step's attention reads: slots ``[0, b)``'s first ``width`` entries and the mask over them; where
-        the kernel attends, the whole capacity and each head's length (the kernel reads up to the length, and a grid
-        that follows the capacity is compiled once per capacity, not once per step's width)."""
-        if self.kernel:
-            return HeldKeys(self.key_buffer[:b], self.allowed[:b], self.recorder, None, self.held[:b * self.n_kv_heads])
-        return HeldKeys(self.key_buffer[:b, :, :self.width], self.allowed[:b, :, :, :self.width], self.recorder,
-                        self.spans)
+    def read(self, b: int) -> tuple[HeldKeys, torch.Tensor]:
+        """What the step's attention reads, keys and values: slots ``[0, b)``'s first ``width`` entries and the mask
+        over them; where the kernel attends, the whole capacity and each head's length (the kernel reads up to the
+        length, and a grid that follows the capacity is compiled once per capacity, not once per step's width)."""
+        w = self.capacity if self.kernel else self.width
+        held = HeldKeys(self.key_buffer[:b, :, :w], self.allowed[:b, :, :, :w], self.recorder,
+                        None if self.kernel else self.spans, self.held[:b * self.n_kv_heads] if self.kernel else None)
+        return held, self.value_buffer[:b, :, :w]
 
     def get_seq_length(self) -> int:
         return self.width
@@ -304,7 +300,7 @@ class SlidingPoolLayer(PoolLayer):
         slots.copy_(rings + (slots - rings + self.advance[:b, None].expand(b, h).reshape(-1)) % w)
         self.next_allowed[:b * h].copy_(slots)
         self.held[:b * h].add_(self.advance[:b, None].expand(b, h).reshape(-1)).clamp_(max=w)   # filled slots
-        return self.read(b), self.value_buffer[:b, :, :self.read_width]
+        return self.read(b)
 
     def stepped(self, batch: int) -> None:
         self.lengths[:batch] = np.minimum(self.lengths[:batch] + 1, self.window)
