@@ -219,9 +219,9 @@ def validate(cfg: DictConfig) -> None:
             or not 0 <= search.loose_share <= 1:
         raise ConfigError(f"engine.stage2.loose_share={search.loose_share!r} must lie in [0, 1]")
     if not all(isinstance(flag, bool) for flag in (search.value_norm_kernel, options.cuda_graphs,
-                                                    options.decode_kernel)):
-        raise ConfigError("engine.stage2.value_norm_kernel, engine.cuda_graphs and engine.decode_kernel must be "
-                          "true or false")
+                                                    options.decode_kernel, options.compile_step)):
+        raise ConfigError("engine.stage2.value_norm_kernel, engine.cuda_graphs, engine.decode_kernel and "
+                          "engine.compile_step must be true or false")
     if isinstance(options.layers_behind, bool) or not isinstance(options.layers_behind, int) \
             or options.layers_behind < 0:
         raise ConfigError(f"engine.layers_behind={options.layers_behind!r} must be a whole number of layers "

@@ -49,7 +49,9 @@ class EngineOptions:
     """How a run's answers are computed. ``pool``: most answers decoding together (None: 32 on a CPU, 256 on
     CUDA, fewer as free memory requires). ``cuda_graphs``: on CUDA each decoding step replays a captured graph. ``decode_kernel``: on CUDA, a
     pool's decoding attention goes through ``pcs.kernels.decode_attention``, each (row, KV head) reading its own
-    entries (else one masked SDPA call over the padded capacity, which every row reads).
+    entries (else one masked SDPA call over the padded capacity, which every row reads). ``compile_step``: on CUDA,
+    the decoding step's forward is compiled (``pcs.engine.compiled``: norms, rotary, activations and cache writes
+    fused), once per model and process before its first step.
     ``stop_when_scored``: an answer ends once its score is decided (benchmarks that declare it). ``layers_behind``:
     on CUDA, each layer is compressed this many layers behind the prefill's forward, on a stream of its own, so the
     host's waits inside a selection overlap the forward (0: right after its own forward; each layer behind holds one
@@ -57,6 +59,7 @@ class EngineOptions:
     pool: int | None
     cuda_graphs: bool
     decode_kernel: bool
+    compile_step: bool
     stop_when_scored: bool
     layers_behind: int
     stage2: Stage2Search

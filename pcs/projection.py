@@ -88,14 +88,21 @@ def interpolate(points: dict[int, float], n: int) -> float:
     return points[x0] * (n / x0) ** slope
 
 
+def as_the_engine_runs(timed: list[dict]) -> list[dict]:
+    """Of timed ``pcs.bench --decode`` rows, those of the engine's default where the file has them: graph-captured,
+    through the decode kernel, compiled (each where some rows are; else the rows without)."""
+    for field in ("cuda_graphs", "decode_kernel", "compiled"):
+        chosen = any(r.get(field) for r in timed)
+        timed = [r for r in timed if bool(r.get(field)) == chosen]
+    return timed
+
+
 class DecodeCosts:
     """Decoding steps from ``pcs.bench --decode`` rows: the graph-captured ones, and of those the decode kernel's
-    where the file has them (what the engine runs by default)."""
+    and the compiled step's where the file has them (what the engine runs by default)."""
 
     def __init__(self, rows: list[dict]):
-        timed = [r for r in rows if "ms_per_step" in r and r.get("cuda_graphs")]
-        kernel = any(r.get("decode_kernel") for r in timed)
-        self.rows = [r for r in timed if bool(r.get("decode_kernel")) == kernel]
+        self.rows = as_the_engine_runs([r for r in rows if "ms_per_step" in r and r.get("cuda_graphs")])
         if not any(r["method"] == "full" and r["pool"] == 1 for r in self.rows):
             raise ValueError("--decode-bench: no graph-captured batch-1 full-cache rows (python -m pcs.bench "
                              "--decode on CUDA)")

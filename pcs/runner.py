@@ -180,7 +180,7 @@ def execute(cells: list[Cell], shard: tuple[int, int] = (0, 1)) -> list[dict | N
             bar.close()
     wall_time_s = round(time.time() - started, 2)
     order = {sample.id: i for i, sample in enumerate(samples)}
-    engine_used = {"pool": pool.size, "cuda_graphs": pool.graphs is not None,
+    engine_used = {"pool": pool.size, "cuda_graphs": pool.graphs is not None, "compile_step": pool.compiled,
                    "layers_behind": pool.options.layers_behind, "stage2": dataclasses.asdict(pool.options.stage2)}
 
     def used_by(c: Cell) -> dict:     # the pool is the group's; when answers stop, each cell's own config says

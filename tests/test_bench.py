@@ -348,15 +348,19 @@ def test_the_decode_report_reads_rows_against_the_decode_targets(tmp_path, capsy
                 "bandwidth_gb_s": 3000.0}
     rows = [row("full", None, 1, 8192, 7.0, 5.0, 140.0), row("full", None, 1, 32768, 9.0, 6.0, 110.0),
             row("snapkv", 128, 1, 32768, 10.0, 5.0, 100.0), row("snapkv", 128, 64, 32768, 20.0, 14.0, 3000.0)]
-    rows = [{**r, "decode_kernel": True} for r in rows]
-    # the same configuration through masked attention: shown, but the targets read the kernel's rows
-    rows.append({**row("full", None, 1, 8192, 40.0, 5.0, 25.0), "decode_kernel": False})
+    rows = [{**r, "decode_kernel": True, "compiled": True, "kernels_per_layer": 15.0} for r in rows]
+    # the same configuration through masked attention, and uncompiled: shown, but the targets read the rows of the
+    # engine's default, the kernel's and the compiled step's
+    rows.append({**row("full", None, 1, 8192, 40.0, 5.0, 25.0), "decode_kernel": False, "compiled": True})
+    rows.append({**row("full", None, 1, 8192, 9.0, 5.0, 110.0), "decode_kernel": True, "compiled": False,
+                 "ops_per_layer": 40.0})
     path = tmp_path / "decode.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["--report", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "| 8192 | full | 1 | kernel | yes | 7.00 | 140.0 | 5.00 | 1.40 | - |" in out
-    assert "| 8192 | full | 1 | masked | yes | 40.00 | 25.0 | 5.00 | 8.00 | - |" in out
+    assert "| 8192 | full | 1 | kernel | compiled | yes | 7.00 | 140.0 | 5.00 | 1.40 | 15 kernels |" in out
+    assert "| 8192 | full | 1 | masked | compiled | yes | 40.00 | 25.0 | 5.00 | 8.00 | - |" in out
+    assert "| 8192 | full | 1 | kernel | eager | yes | 9.00 | 110.0 | 5.00 | 1.80 | 40 ops |" in out
     assert "full cache, batch 1, at 8192: x1.40 of its bound [target <= 1.5: met]" in out
     assert "x2.00 to x2.00 of their bounds [target <= 1.25: missed]" in out
     assert "compressed steps slower than the full cache's from 8192: 1 of 1; 32768 snapkv b128 pool 1" in out

@@ -195,17 +195,30 @@ def test_cuda_graph_decoding_with_triggers_gives_eager_tokens(graph_arch):
 
 
 def test_cuda_pooled_decoding_through_the_kernel_gives_batch_one_tokens(arch):
-    """Pools of 1, 3 and 8 replaying captured graphs, every row attending through pcs.kernels.decode_attention
-    over its own entries (per-head lengths, per-query-head choices, sliding windows, the full cache beside
-    compressed rows), against each sequence decoded alone, eagerly, on its batch-1 cache: the same tokens but at
-    near-ties (tests/test_pool.py's ``compare``); then rows recompressed while decoding."""
-    from pcs.engine import DecodePool
-    from test_pool import LENGTH_CELLS, TRIGGERED, compare, samples
+    """Pools of 1, 3 and 8 replaying captured graphs of the compiled step (the defaults), every row attending through
+    pcs.kernels.decode_attention over its own entries (per-head lengths, per-query-head choices, sliding windows, the
+    full cache beside compressed rows), against each sequence decoded alone, eagerly, on its batch-1 cache: the same
+    tokens but at near-ties (tests/test_pool.py's ``compare``); then rows recompressed while decoding. A replayed
+    step runs at most ``COMPILED_KERNELS_PER_LAYER`` kernels per layer, as CUDA's profiler counts them."""
+    from pcs.bench.instrument import StepKernels
+    from pcs.engine import Cell, DecodePool, prefill
+    from test_pool import COMPILED_KERNELS_PER_LAYER, LENGTH_CELLS, TRIGGERED, build, compare, samples
     model = tiny_model(arch).cuda()
-    assert all(layer.kernel for layer in DecodePool(model, 2).cache.layers)
+    pool = DecodePool(model, 4, graphs=True)
+    assert pool.compiled and all(layer.kernel for layer in pool.cache.layers)
     sample_list = samples(model)
     differ, _, compared = compare(model, sample_list, LENGTH_CELLS, graphs=True)
     assert compared == 3 * 4 * len(LENGTH_CELLS) and differ <= compared // 100
+    for s in sample_list[:2]:
+        (seq,) = prefill(model, s["ids"], [Cell(build(("method=adakv",)))], 8, set())
+        pool.join(seq)
+    pool.step()
+    kernels = StepKernels()
+    with kernels.counting():
+        pool.step()
+    layers = model.config.num_hidden_layers
+    print(f"\n[{arch}] {kernels.kernels / layers:.1f} kernels per layer in a replayed step")
+    assert 0 < kernels.kernels <= COMPILED_KERNELS_PER_LAYER * layers
     for s in sample_list:
         s["max_new"], s["stops"] = 30, set()
     differ, _, compared = compare(model, sample_list, TRIGGERED, sizes=(3, 8), triggers=[60] * len(TRIGGERED),

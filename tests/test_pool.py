@@ -17,7 +17,8 @@ import torch
 
 from pcs.cache import CompressedCache
 from pcs.compression import CompressionStats, compress_after_prefill, compress_each_after_prefill, recompress_when_full
-from pcs.engine import Arrival, Cell, DecodePool, decode
+from pcs.bench.instrument import StepKernels, StepOps
+from pcs.engine import Arrival, Cell, DecodePool, decode, prefill
 from pcs.engine.pool import PoolCache
 from pcs.eviction import build_method
 
@@ -101,10 +102,10 @@ def samples(model, vocab=256):
     return out
 
 
-def compare(model, sample_list, cells, sizes=(1, 3, 8), triggers=None, graphs=False):
+def compare(model, sample_list, cells, sizes=(1, 3, 8), triggers=None, graphs=False, compiled=False):
     """Pooled tokens against batch 1's for every (sample, cell) and pool size, each size with its own order of
     arrival (samples and each sample's cells shuffled): (rows that differ, largest margin at a differing row,
-    rows compared). ``graphs``: the pools replay captured CUDA graphs."""
+    rows compared). ``graphs``: the pools replay captured CUDA graphs; ``compiled``: of a compiled forward."""
     triggers = triggers or [None] * len(cells)
     want = {}
     for i, s in enumerate(sample_list):
@@ -125,7 +126,8 @@ def compare(model, sample_list, cells, sizes=(1, 3, 8), triggers=None, graphs=Fa
                 yield Arrival(model, s["ids"], [Cell(build(cells[j]), triggers[j]) for j in cell_order], s["max_new"],
                               s["stops"], s["question"], s["min_new"], owners=[(i, j) for j in cell_order])
 
-        got = {seq.owner: seq.result for seq in decode(DecodePool(model, size, graphs), arrivals())}
+        got = {seq.owner: seq.result for seq in decode(DecodePool(model, size, graphs, compiled=compiled),
+                                                                 arrivals())}
         assert set(got) == set(want)
         for key, ref in want.items():
             compared += 1
@@ -326,6 +328,58 @@ def test_pooled_decoding_through_head_lengths_gives_batch_one_tokens(arch, throu
         s["max_new"], s["stops"] = 30, set()
     _, _, compared = compare(model, sample_list, TRIGGERED, sizes=(3, 8), triggers=[60] * len(TRIGGERED))
     assert compared == 2 * 4 * len(TRIGGERED)
+
+
+def test_compiled_pooled_decoding_gives_batch_one_tokens(arch, through_lengths):
+    """The step's forward compiled, as on CUDA (``engine.compile_step``), attending through the device's lengths,
+    traced by torch.compile and run by torch's own kernels (``aot_eager``: the graph the CUDA path compiles, without
+    generating its code): one graph without a break, not compiled again as the batch and the capacity change (batch
+    1, a mask row per query head and a query ring are variants of their own); batch 1's tokens, rows recompressed
+    while decoding included."""
+    from torch._dynamo.utils import counters
+    counters.clear()
+    model = tiny_model(arch)
+    sample_list = samples(model)
+    differ, _, compared = compare(model, sample_list, LENGTH_CELLS, compiled="aot_eager")
+    assert compared == 3 * 4 * len(LENGTH_CELLS) and differ <= compared // 100
+    for s in sample_list:
+        s["max_new"], s["stops"] = 30, set()
+    _, _, compared = compare(model, sample_list, TRIGGERED, sizes=(3, 8), triggers=[60] * len(TRIGGERED),
+                             compiled="aot_eager")
+    assert compared == 2 * 4 * len(TRIGGERED)
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] <= 8, dict(counters["stats"])
+
+
+# The issue's count of an eager step's kernels per layer was about 48; a compiled step runs at most a third of that.
+COMPILED_KERNELS_PER_LAYER = 16
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_compiled_step_runs_few_kernels_per_layer(arch, through_lengths):
+    """Compiled by inductor, as on CUDA: batch 1's tokens, and a step's kernels (counted from a profile: the matrix
+    products, the attention operator and the fused norms, rotary, activations and cache writes) per layer at most
+    ``COMPILED_KERNELS_PER_LAYER``, against the eager step's operations."""
+    model = tiny_model(arch)
+    sample_list = samples(model)[:2]
+    differ, _, compared = compare(model, sample_list, [("method=adakv",), ("method=full",)], sizes=(4,),
+                                  compiled=True)
+    assert compared == 4 and differ == 0
+    pool = DecodePool(model, 4, compiled=True)
+    for s in sample_list:
+        (seq,) = prefill(model, s["ids"], [Cell(build(("method=adakv",)))], 8, set())
+        pool.join(seq)
+    pool.step()
+    eager, kernels = StepOps(), StepKernels()
+    with kernels.counting():
+        pool.step()
+    pool.forward_step = model
+    with eager.counting():
+        pool.step()
+    layers = model.config.num_hidden_layers
+    print(f"\n[{arch}] per layer: {eager.ops / layers:.1f} operations eager, {kernels.kernels / layers:.1f} kernels "
+          f"compiled")
+    assert 0 < kernels.kernels <= COMPILED_KERNELS_PER_LAYER * layers < eager.ops
 
 
 @pytest.mark.parametrize("attend", ["mask", "lengths"])

@@ -61,6 +61,9 @@ def parse(argv=None):
                         "decoding attention through pcs.kernels.decode_attention (each row's own entries), or "
                         "(--no-decode-kernel) one masked SDPA call over the padded capacity (default: "
                         "engine.decode_kernel); --decode rows say which in decode_kernel")
+    parser.add_argument("--compile-step", action=argparse.BooleanOptionalAction, help="on CUDA, the decoding "
+                        "step's forward compiled by torch.compile, or (--no-compile-step) as transformers runs it "
+                        "(default: engine.compile_step); --decode rows say which in compiled")
     parser.add_argument("--stage2-search", choices=["auto", "bounded", "exhaustive"], help="on an accelerator, "
                         "stage 2 bounds its norms and scores the entries the bounds leave (bounded), scores every "
                         "entry (exhaustive; the same entries are kept), or (auto) scores every entry in layers "

@@ -21,7 +21,7 @@ from ..engine import Cell, DecodePool, clock, prefill
 from ..hybrid import head_dim
 from ..kernels import decode_attention
 from ..eviction import build_method
-from .instrument import StepOps
+from .instrument import StepKernels, StepOps
 from .measure import build_model, composed, device_name, engine_options, random_prompt
 
 WARM_STEPS = 3            # untimed steps first: on CUDA they capture the step's graph
@@ -61,7 +61,8 @@ def copy_of(seq, max_new: int):
 def timed_steps(model, templates: list, size: int, graphs: bool, steps: int, options) -> dict:
     """A pool of ``size`` slots holding a copy of each of ``templates`` (prefilled sequences), each copy made only
     once the pool admits it (a copy that cannot fit is never made): after ``WARM_STEPS`` untimed steps and one whose
-    operations are counted (eager: ``ops_per_step``, ``ops_per_layer``), the mean
+    operations are counted (an eager, uncompiled step: ``ops_per_step``, ``ops_per_layer``; a compiled one, graph
+    or not: ``kernels_per_step``, ``kernels_per_layer``, from a profile), the mean
     milliseconds of ``steps`` steps and the tokens per second; or ``fits``, the rows the device's free memory
     admitted, where it did not admit them all."""
     device = next(model.parameters()).device
@@ -72,12 +73,18 @@ def timed_steps(model, templates: list, size: int, graphs: bool, steps: int, opt
         pool.join(copy_of(template, WARM_STEPS + steps + 2))
     for _ in range(WARM_STEPS):
         pool.step()
-    counted = {}
-    if not graphs:       # a replayed graph dispatches nothing to count: the eager step's operations stand for it
+    layers = model.config.num_hidden_layers
+    counted = {"compiled": pool.compiled}
+    if pool.compiled:
+        kernels = StepKernels()
+        with kernels.counting():
+            pool.step()
+        counted |= {"kernels_per_step": kernels.kernels, "kernels_per_layer": kernels.kernels / layers}
+    elif not graphs:     # a replayed graph dispatches nothing to count: the eager step's operations stand for it
         ops = StepOps()
         with ops.counting():
             pool.step()
-        counted = {"ops_per_step": ops.ops, "ops_per_layer": ops.ops / model.config.num_hidden_layers}
+        counted |= {"ops_per_step": ops.ops, "ops_per_layer": ops.ops / layers}
     else:
         pool.step()
     start = clock(device)

@@ -118,7 +118,7 @@ def attention_calls_per_token(model, method, ids, steps: int = 4, options=None) 
 
 # Operations that dispatch no work to a device: views, allocations, conjugation flags.
 NO_WORK_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach",
-               "resolve_conj", "resolve_neg", "alias"}
+               "detach_", "resolve_conj", "resolve_neg", "alias"}
 
 
 class CompressionOps:
@@ -171,6 +171,54 @@ class _OpCounter(TorchDispatchMode):
         if not func.is_view and func._overloadpacket.__name__ not in NO_WORK_OPS:
             self.owner.ops += 1
         return func(*args, **(kwargs or {}))
+
+
+class StepKernels:
+    """Kernels one decoding step runs, read from a profile of it (``counting()`` around the step): on CUDA the
+    device's kernels, a replayed graph's included; on a CPU the work its forward calls at the top, an eager step's
+    operators or a compiled step's fused kernels, matrix products and operators (views and allocations aside), what
+    each would launch on a GPU."""
+
+    def __init__(self):
+        self.kernels = 0
+
+    @contextlib.contextmanager
+    def counting(self):
+        from torch.profiler import ProfilerActivity, profile
+        cuda = torch.cuda.is_available()
+        with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+            yield
+        events = prof.events()
+        if cuda:
+            self.kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("Memcpy")
+                               and not e.name.startswith("Memset") for e in events)
+        else:
+            self.kernels = sum(is_work(e.name) and not any(map(is_kernel, ancestors(e))) for e in events)
+
+
+def is_kernel(name: str) -> bool:
+    """A fused kernel of a compiled graph, or an operator (``aten::mm``, ``pcs::decode_attention``)."""
+    return "cpp_fused" in name or "::" in name
+
+
+def is_work(name: str) -> bool:
+    """A kernel that does work on the device: neither a view nor an allocation."""
+    if not is_kernel(name):
+        return False
+    if "::" not in name:
+        return True
+    namespace, op = name.split("::", 1)
+    if op in NO_WORK_OPS:
+        return False
+    packet = getattr(getattr(torch.ops, namespace, None), op, None)
+    return not any(getattr(packet, o).is_view for o in packet.overloads()) if packet is not None else True
+
+
+def ancestors(event):
+    event = event.cpu_parent
+    while event is not None:
+        yield event.name
+        event = event.cpu_parent
 
 
 class CompressionClock:

@@ -208,9 +208,10 @@ def analysis(args) -> list[dict]:
 
 def engine_options(args) -> EngineOptions:
     """The engine's defaults, changed where the bench's flags say (--layers-behind, --value-norm-kernel,
-    --decode-kernel, --stage2-search)."""
+    --decode-kernel, --compile-step, --stage2-search)."""
     changes = {"layers_behind": args.layers_behind, "stage2_value_norm_kernel": args.value_norm_kernel,
-               "decode_kernel": getattr(args, "decode_kernel", None), "stage2_search": args.stage2_search}
+               "decode_kernel": getattr(args, "decode_kernel", None),
+               "compile_step": getattr(args, "compile_step", None), "stage2_search": args.stage2_search}
     return defaults().with_(**{k: v for k, v in changes.items() if v is not None})
 
 

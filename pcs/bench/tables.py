@@ -294,16 +294,19 @@ def decode_rows(rows: list[dict]) -> list[dict]:
 
 def decode_table(rows: list[dict]) -> str:
     """The decode bench's table: per context, configuration, pool size and graphs, the step against its bound."""
-    lines = ["| context | cache | pool | attention | CUDA graphs | ms/step | tokens/s | bound ms | x bound | ops/layer |",
-             "|---:|---|---:|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| context | cache | pool | attention | forward | CUDA graphs | ms/step | tokens/s | bound ms | x bound "
+             "| per layer |",
+             "|---:|---|---:|---|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         cache = r["method"] + (f" b{r['budget']}" if r.get("budget") else "")
-        how = "kernel" if r.get("decode_kernel") else "masked"
+        how = ("kernel" if r.get("decode_kernel") else "masked") + \
+            f" | {'compiled' if r.get('compiled') else 'eager'}"
         if "ms_per_step" not in r:
             lines.append(f"| {r['context']} | {cache} | {r['pool']} | {how} | {'yes' if r['cuda_graphs'] else 'no'} | "
                          f"fits {r['fits']} | - | {r['bound_ms']:.2f} | - | - |")
             continue
-        ops = f"{r['ops_per_layer']:.0f}" if "ops_per_layer" in r else "-"
+        ops = f"{r['kernels_per_layer']:.0f} kernels" if "kernels_per_layer" in r else \
+            f"{r['ops_per_layer']:.0f} ops" if "ops_per_layer" in r else "-"
         lines.append(f"| {r['context']} | {cache} | {r['pool']} | {how} | {'yes' if r['cuda_graphs'] else 'no'} | "
                      f"{r['ms_per_step']:.2f} | {r['tokens_per_s']:.1f} | {r['bound_ms']:.2f} | {r['of_bound']:.2f} | "
                      f"{ops} |")
@@ -313,15 +316,11 @@ def decode_table(rows: list[dict]) -> str:
 
 
 def decode_targets(rows: list[dict]) -> list[str]:
-    """The decode targets (``goals()["decode"]``) read off ``--decode`` rows: the graph-captured rows where the
-    file has them, else the eager ones, and of those the decode kernel's where it has them; a target whose rows are
-    absent is said to be unmeasured."""
+    """The decode targets (``goals()["decode"]``) read off ``--decode`` rows as the engine runs by default where the
+    file has them (``as_the_engine_runs``); a target whose rows are absent is said to be unmeasured."""
+    from ..projection import as_the_engine_runs
     goal = goals()["decode"]
-    timed = [r for r in rows if "ms_per_step" in r]
-    graphs = any(r["cuda_graphs"] for r in timed)
-    timed = [r for r in timed if r["cuda_graphs"] == graphs]
-    kernel = any(r.get("decode_kernel") for r in timed)
-    timed = [r for r in timed if bool(r.get("decode_kernel")) == kernel]
+    timed = as_the_engine_runs([r for r in rows if "ms_per_step" in r])
 
     def pick(**where):
         return [r for r in timed if all(r.get(k) == v for k, v in where.items())]

@@ -40,6 +40,7 @@ from ..eviction.base import Method
 from ..hybrid import attention_windows, full_attention_layers, head_dim
 from ..options import EngineOptions, defaults
 from ..upload import upload
+from .compiled import compiled_forward
 from .pool import PoolCache
 from .rings import QueryRings
 
@@ -131,11 +132,19 @@ class StepOutOfMemory(Exception):
 class DecodePool:
     """Up to ``size`` sequences decoding together (see the module's docstring)."""
 
-    def __init__(self, model, size: int, graphs: bool = False, options: EngineOptions | None = None):
+    def __init__(self, model, size: int, graphs: bool = False, options: EngineOptions | None = None,
+                 compiled: bool | str | None = None):
         self.model, self.size = model, size
         self.options = options or defaults()     # how its prompts are prefilled and compressed
         self.limit = size          # answers admitted in flight: lowered when the device runs out of memory
         self.device = next(model.parameters()).device
+        # The step's forward, compiled where ``compiled`` says (None: ``EngineOptions.compile_step``, on CUDA; a
+        # string: torch.compile's backend): it then reads every layer's whole capacity, as a captured graph does.
+        if compiled is None:
+            compiled = self.options.compile_step and self.device.type == "cuda"
+        self.compiled = bool(compiled)
+        self.forward_step = model if not compiled else compiled_forward(
+            model, *([compiled] if isinstance(compiled, str) else []))
         self.use_graphs = graphs
         self.tokens = 0            # tokens decoded by the pool
         self.busy_s = 0.0          # seconds spent in its steps
@@ -144,6 +153,7 @@ class DecodePool:
         self.sequences: list[Sequence] = []            # slot order
         self.release()
 
+    @torch.inference_mode()          # as the step: a compiled step then sees one kind of tensor in every buffer
     def release(self) -> None:
         """Fresh, smallest buffers (the empty pool's grown ones, and their captured graphs, are freed)."""
         assert not self.sequences, "release() with sequences in flight"
@@ -327,8 +337,8 @@ class DecodePool:
         if self.graphs is not None:
             self.logits[:live] = self.graphs.run(ids, positions)
         else:
-            self.cache.prepare_step(live)
-            out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True)
+            self.cache.prepare_step(live, whole_capacity=self.compiled)
+            out = self.forward_step(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True)
             self.logits[:live] = out.logits[:, -1]
         self.cache.stepped(live)
         if self.rings is not None:
@@ -475,6 +485,7 @@ def open_pool(model, options: EngineOptions) -> DecodePool:
         why = f"engine.pool=null on {device.type.upper()}: up to {size}, as the {free_memory(device) / 2**30:.1f} GiB free allow"
     else:
         why = f"engine.pool={size}; {free_memory(device) / 2**30:.1f} GiB free"
-    print(f"[pcs] decode pool: {size} sequence(s) in flight ({why}); "
-          f"{'CUDA graphs' if graphs else 'eager'} decoding steps", flush=True)
-    return DecodePool(model, size, graphs, options)
+    pool = DecodePool(model, size, graphs, options)
+    steps = ("compiled, " if pool.compiled else "") + ("CUDA graphs" if graphs else "eager")
+    print(f"[pcs] decode pool: {size} sequence(s) in flight ({why}); {steps} decoding steps", flush=True)
+    return pool

@@ -66,7 +66,7 @@ class StepGraphs:
         return graph, static_ids, static_positions, static_logits
 
     def forward(self, ids, positions) -> torch.Tensor:
-        out = self.pool.model(input_ids=ids, position_ids=positions, past_key_values=self.pool.cache, use_cache=True)
+        out = self.pool.forward_step(input_ids=ids, position_ids=positions, past_key_values=self.pool.cache, use_cache=True)
         return out.logits[:, -1]
 
     def state(self) -> list[torch.Tensor]:

@@ -82,7 +82,6 @@ class PoolLayer(CacheLayerMixin):
         self.kernel = kernel and decode_attention.available(self.device, head_dim)
         self.slots = self.capacity = self.rows = 0
         self.reserve(1, 1, 1)
-        self.batch = 0          # sequences in the step's forward: slots [0, batch)
         self.width = 1          # entries attention reads per head this step
         self.spans = None       # slots reading fewer entries this step (read_spans), on CPU
         self.recorder = None    # called with the step's (batch, H_q, 1, d) queries (decoding-time compression)
@@ -203,8 +202,8 @@ class PoolLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         """Write the step's (batch, H_kv, 1, d) entries after each head's own; return what attention reads:
         slots ``[0, batch)``, their first ``width`` entries and the mask over them."""
-        b, h, r, d = self.batch, self.n_kv_heads, self.rows, self.head_dim
-        slots = self.next_slot[:b * h]
+        b, h, r, d = key_states.shape[0], self.n_kv_heads, self.rows, self.head_dim   # a size, not an attribute:
+        slots = self.next_slot[:b * h]          # a compiled step stays one graph as the batch changes
         self.key_buffer.view(-1, d).index_copy_(0, slots, key_states.reshape(-1, d))
         self.value_buffer.view(-1, d).index_copy_(0, slots, value_states.reshape(-1, d))
         self.allowed.view(-1).index_fill_(0, self.next_allowed[:b * h * r], True)
@@ -219,10 +218,14 @@ class PoolLayer(CacheLayerMixin):
         """What the step's attention reads, keys and values: slots ``[0, b)``'s first ``width`` entries and the mask
         over them; where the kernel attends, the whole capacity and each head's length (the kernel reads up to the
         length, and a grid that follows the capacity is compiled once per capacity, not once per step's width)."""
-        w = self.capacity if self.kernel else self.width
-        held = HeldKeys(self.key_buffer[:b, :, :w], self.allowed[:b, :, :, :w], self.recorder,
-                        None if self.kernel else self.spans, self.held[:b * self.n_kv_heads] if self.kernel else None)
-        return held, self.value_buffer[:b, :, :w]
+        if self.kernel or self.width == self.capacity:     # no slicing by a number: a compiled step keeps one graph
+            keys, values, allowed = self.key_buffer[:b], self.value_buffer[:b], self.allowed[:b]
+        else:
+            w = self.width
+            keys, values, allowed = self.key_buffer[:b, :, :w], self.value_buffer[:b, :, :w], self.allowed[:b, ..., :w]
+        held = HeldKeys(keys, allowed, self.recorder, None if self.kernel else self.spans,
+                        self.held[:b * self.n_kv_heads] if self.kernel else None)
+        return held, values
 
     def get_seq_length(self) -> int:
         return self.width
@@ -291,7 +294,7 @@ class SlidingPoolLayer(PoolLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         """As ``PoolLayer.update``, the write indices wrapping around each ring."""
-        b, h, d, w = self.batch, self.n_kv_heads, self.head_dim, self.window
+        b, h, d, w = key_states.shape[0], self.n_kv_heads, self.head_dim, self.window
         slots = self.next_slot[:b * h]
         self.key_buffer.view(-1, d).index_copy_(0, slots, key_states.reshape(-1, d))
         self.value_buffer.view(-1, d).index_copy_(0, slots, value_states.reshape(-1, d))
@@ -332,7 +335,7 @@ class PoolCache(Cache):
         for layer in self.layers:
             layer.reserve(batch, int(layer.lengths[:batch].max()) + 1, layer.rows)
             needed = layer.lengths[:batch].max(axis=1) + 1
-            layer.batch, layer.width = batch, layer.capacity if whole_capacity else min(int(needed.max()), layer.capacity)
+            layer.width = layer.capacity if whole_capacity else min(int(needed.max()), layer.capacity)
             layer.spans = read_spans(needed, layer.width, layer.n_kv_heads, threads) if split else None
 
     def stepped(self, batch: int) -> None:
