@@ -31,7 +31,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
-import numpy as np
 import torch
 
 from ..cache import CompressedCache
@@ -88,6 +87,7 @@ class Sequence:
     result: Generation               # sizes and prefill time filled in; tokens and decode time as it goes
     stats: CompressionStats = field(default_factory=CompressionStats)
     n_queries: int = 0               # its newest queries each layer remembers (decoding-time compression)
+    held: int = 0                    # in a pool: entries of its longest head of a full-attention layer
     joined_at: float = 0.0
     joined_fresh: bool = False       # it joined a released pool (smallest buffers): out of memory, it fits nowhere
     source: tuple | None = None      # (Arrival, cell index): how to prefill it again
@@ -210,6 +210,8 @@ class DecodePool:
         slot is left free and the sequence keeps its batch-1 cache."""
         slot = len(self.sequences)
         room = seq.room()
+        if self.graphs is not None:
+            self.graphs.changed()
         seq.joined_fresh, self.released = self.released, False      # the join may grow them, even if it fails
         try:
             for layer, held in zip(self.layers, seq.cache.layers):
@@ -227,7 +229,8 @@ class DecodePool:
                     layer.free(slot)
             raise
         seq.cache = seq.logits = None
-        seq.stats.max_kv_entries = max(seq.stats.max_kv_entries, self.cache.longest(slot))
+        seq.held = self.cache.longest(slot)
+        seq.stats.max_kv_entries = max(seq.stats.max_kv_entries, seq.held)
         seq.joined_at = time.perf_counter()
         self.sequences.append(seq)
 
@@ -268,6 +271,8 @@ class DecodePool:
 
     def leave(self, slot: int) -> None:
         """The sequence at ``slot`` leaves; the last one in flight moves into its slot."""
+        if self.graphs is not None:
+            self.graphs.changed()
         last = len(self.sequences) - 1
         for layer in self.layers:
             layer.move(last, slot) if slot != last else layer.free(slot)
@@ -343,19 +348,20 @@ class DecodePool:
         self.cache.stepped(live)
         if self.rings is not None:
             self.rings.stepped()
-        longest = np.max([layer.lengths[:live].max(axis=1) for layer in self.layers if not layer.is_sliding]
-                         or [np.zeros(live, dtype=np.int64)], axis=0)
-        for seq, held in zip(self.sequences, longest.tolist()):
+        grown = 1 if self.compressed else 0     # every head of a full-attention layer holds one entry more
+        for seq in self.sequences:
             seq.position += 1
             seq.n_queries += 1
-            seq.stats.max_kv_entries = max(seq.stats.max_kv_entries, held)
+            seq.held += grown
+            seq.stats.max_kv_entries = max(seq.stats.max_kv_entries, seq.held)
 
     def recompress_full_layers(self) -> None:
         """Decoding-time compression: a layer of a sequence whose longest head exceeds the sequence's trigger
         is compressed again by its method, its newest queries as the observation window (as batch 1 does
         right after that layer's forward: the layer is not read again before the next step)."""
         n_layers, live = len(self.layers), len(self.sequences)
-        triggered = [(slot, seq) for slot, seq in enumerate(self.sequences) if seq.trigger is not None]
+        triggered = [(slot, seq) for slot, seq in enumerate(self.sequences)
+                     if seq.trigger is not None and seq.held > seq.trigger]    # a layer of each is past its trigger
         for i, layer in enumerate(self.layers):
             if layer.is_sliding or not triggered:
                 continue
@@ -369,6 +375,10 @@ class DecodePool:
                 if recompress(row, seq.method, i, n_layers, self.o_proj[i], self.compressed, self.options.stage2):
                     seq.stats.compressed_at.add(seq.position)
                     layer.load(slot, row, seq.room())
+                    if self.graphs is not None:
+                        self.graphs.changed()
+        for slot, seq in triggered:
+            seq.held = self.cache.longest(slot)
 
 
 def decode(pool: DecodePool, arrivals: Iterable) -> Iterator[Sequence]:

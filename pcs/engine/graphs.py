@@ -21,6 +21,12 @@ class StepGraphs:
         self.pool = pool
         self.graphs: dict[tuple, tuple] = {}
         self.memory = torch.cuda.graph_pool_handle()   # one memory pool: graphs never replay at the same time
+        # The layout last read, per bucket, until the pool's buffers may have changed (a sequence joined or left, or
+        # was compressed again: ``changed``): steps between those read no buffer's address.
+        self.layouts: dict[int, tuple] = {}
+
+    def changed(self) -> None:
+        self.layouts = {}
 
     def layout(self, size: int) -> tuple:
         """What a captured graph is tied to: the bucket and the address and shape of every buffer it touches."""
@@ -34,8 +40,8 @@ class StepGraphs:
     def run(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Next-token logits of the ``len(ids)`` sequences in flight, by replaying their bucket's graph."""
         live, size = ids.shape[0], bucket(ids.shape[0], self.pool.size)
-        self.pool.cache.prepare_step(size, whole_capacity=True)      # may grow the slots: before the layout is read
-        key = self.layout(size)
+        self.pool.cache.prepare_step(size, whole_capacity=True)
+        key = self.layouts.get(size) or self.layouts.setdefault(size, self.layout(size))
         if key not in self.graphs:
             self.graphs = {k: g for k, g in self.graphs.items() if k[1:] == key[1:]}   # drop stale layouts
             self.graphs[key] = self.capture(size)

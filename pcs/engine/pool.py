@@ -329,13 +329,19 @@ class PoolCache(Cache):
     def prepare_step(self, batch: int, whole_capacity: bool = False) -> None:
         """Before a forward of slots ``[0, batch)``: attention reads each layer's longest head plus the step's
         entry (a sliding layer's ring at most; on CPU each run of slots its own, ``read_spans``), or the layer's
-        whole capacity, a shape that stays the same from step to step (what a captured graph needs)."""
-        split = self.layers[0].device.type == "cpu" and not whole_capacity
+        whole capacity, a shape that stays the same from step to step (what a captured graph needs). Whole, nothing
+        is computed per layer: a sequence reserved its room for every token it may still take when it joined
+        (``load``), so no buffer grows between joins."""
+        if whole_capacity:
+            for layer in self.layers:
+                layer.width, layer.spans = layer.capacity, None
+            return
+        split = self.layers[0].device.type == "cpu"
         threads = torch.get_num_threads()
         for layer in self.layers:
             layer.reserve(batch, int(layer.lengths[:batch].max()) + 1, layer.rows)
             needed = layer.lengths[:batch].max(axis=1) + 1
-            layer.width = layer.capacity if whole_capacity else min(int(needed.max()), layer.capacity)
+            layer.width = min(int(needed.max()), layer.capacity)
             layer.spans = read_spans(needed, layer.width, layer.n_kv_heads, threads) if split else None
 
     def stepped(self, batch: int) -> None:
