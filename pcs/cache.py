@@ -46,12 +46,15 @@ class HeldKeys(NamedTuple):
     1 or group, L) for a decode pool's one-token step, and who wants the step's queries (None: nobody).
     ``spans``: a pool's (start, stop, width) runs of slots that read only their first ``width`` of the L keys
     (None: every slot reads all L in one call). ``lengths``: a pool's (batch x H_kv,) entries per head on the
-    device, where its step attends through ``pcs.kernels.decode_attention`` (None: masked SDPA)."""
+    device, where its step attends through ``pcs.kernels.decode_attention`` (None: masked SDPA). ``bases``: where
+    the pool holds each sequence at its own capacity, the (batch x H_kv,) offsets of each head's entries in (N, d)
+    keys and values, the mask (N, group) or None (``pcs.engine.jagged``)."""
     keys: torch.Tensor
     mask: torch.Tensor | None
     record: Callable[[torch.Tensor, float | None], None] | None = None
     spans: tuple[tuple[int, int, int], ...] | None = None
     lengths: torch.Tensor | None = None
+    bases: torch.Tensor | None = None
 
 
 class CompressibleLayer(CacheLayerMixin):
@@ -415,14 +418,17 @@ def held_attention(module, query, key, value, attention_mask, scaling=None, drop
             return sliding_prefill_attention(module, query, key, value, attention_mask, scaling, window, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    keys, mask, record, spans, lengths = key
+    keys, mask, record, spans, lengths, bases = key
     batch, n_q_heads, q_len, d = query.shape
-    n_kv_heads = keys.shape[1]
+    n_kv_heads = keys.shape[1] if bases is None else lengths.shape[0] // batch
     group = n_q_heads // n_kv_heads
     if lengths is not None:      # a pool's step on CUDA: each (row, KV head) reads its own entries
         rows = query.reshape(batch, n_kv_heads, group, d)
-        chosen = mask.reshape(batch, n_kv_heads, group, -1) if mask.shape[-2] > 1 else None   # per query head
-        out = decode_attention(rows, keys, value, lengths, d ** -0.5 if scaling is None else scaling, chosen)
+        if bases is not None:    # each sequence at its own capacity: a mask where some chose per query head
+            chosen = mask
+        else:
+            chosen = mask.reshape(batch, n_kv_heads, group, -1) if mask.shape[-2] > 1 else None   # per query head
+        out = decode_attention(rows, keys, value, lengths, d ** -0.5 if scaling is None else scaling, chosen, bases)
         if record is not None:
             record(query, scaling)
         return out.reshape(batch, n_q_heads, 1, d).transpose(1, 2), None

@@ -113,9 +113,9 @@ def main() -> None:
                                                                                     scale=scale),
             "kernel": lambda i: da.decode_attention(q[i], k[i], v[i], lens, scale),
         }
-        for split in (256, 1024):
-            mechanisms[f"kernel split {split}"] = (lambda s: lambda i: da.decode_attention(q[i], k[i], v[i], lens,
-                                                                                           scale, split=s))(split)
+        for splits in (16, 64):
+            mechanisms[f"kernel {splits} parts"] = (lambda s: lambda i: da.decode_attention(q[i], k[i], v[i], lens,
+                                                                                            scale, splits=s))(splits)
         if flex is not None:
             per_row = lens.reshape(rows, HKV)
 

@@ -22,6 +22,28 @@ def problem(rows, n_kv_heads, group, capacity, d=16, apart=False, dtype=torch.fl
     return q, k, v, lengths, allowed
 
 
+def jagged(k, v, allowed, lengths, seed=1):
+    """The same entries laid out as a jagged pool holds them: each pair's first ``lengths`` entries (and room after
+    them, filled with noise) at an offset of its own in one (N, d) buffer, the pairs in shuffled order with gaps."""
+    rows, n_kv_heads, capacity, d = k.shape
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(rows * n_kv_heads, generator=g).tolist()
+    room = torch.randint(0, 20, (rows * n_kv_heads,), generator=g)
+    bases, at = torch.zeros(rows * n_kv_heads, dtype=torch.long), 0
+    for pair in order:
+        at += int(torch.randint(0, 9, (1,), generator=g))            # a gap: a freed region
+        bases[pair] = at
+        at += int(lengths[pair]) + int(room[pair])
+    flat_k, flat_v = torch.randn(at, d, generator=g).to(k.dtype), torch.randn(at, d, generator=g).to(v.dtype)
+    flat_a = None if allowed is None else torch.rand(at, allowed.shape[2], generator=g) < 0.5
+    for pair in range(rows * n_kv_heads):
+        r, h, n, b = pair // n_kv_heads, pair % n_kv_heads, int(lengths[pair]), int(bases[pair])
+        flat_k[b:b + n], flat_v[b:b + n] = k[r, h, :n], v[r, h, :n]
+        if allowed is not None:
+            flat_a[b:b + n] = allowed[r, h, :, :n].T
+    return flat_k, flat_v, flat_a, bases
+
+
 def written_out(q, k, v, lengths, scale, allowed):
     """Per (row, KV head, query head): softmax(q k^T) v over the entries it sees, in float64."""
     rows, n_kv_heads, group, d = q.shape
@@ -44,11 +66,17 @@ def test_the_reference_is_a_softmax_over_each_heads_own_entries(apart):
     torch.testing.assert_close(got.double(), written_out(q, k, v, lengths, 0.3, allowed), rtol=1e-5, atol=1e-5)
 
 
-def test_splits_are_sized_from_the_shapes_alone():
-    assert da.split_size(8, 33024) == 1024 and da.split_size(8, 8448) == 256 and da.split_size(512, 256) == 256
-    assert da.split_size(8, 256) == da.BLOCK                       # never below one block
-    sizes = [da.split_size(p, c) for p in (1, 8, 64, 512) for c in (64, 1000, 40000)]
-    assert all(s % da.BLOCK == 0 and da.BLOCK <= s <= da.LONGEST_SPLIT for s in sizes)
+@pytest.mark.parametrize("apart", [False, True])
+def test_the_reference_reads_jagged_entries_as_padded_ones(apart):
+    q, k, v, lengths, allowed = problem(3, 2, 4, 50, apart=apart)
+    flat_k, flat_v, flat_a, bases = jagged(k, v, allowed, lengths)
+    got = da.reference(q, flat_k, flat_v, lengths, 0.3, flat_a, bases)
+    torch.testing.assert_close(got, da.reference(q, k, v, lengths, 0.3, allowed), rtol=1e-6, atol=1e-6)
+
+
+def test_splits_follow_the_number_of_pairs_alone():
+    assert [da.splits_for(p) for p in (1, 8, 32, 64, 512, 4096)] == [64, 64, 16, 16, 16, 16]
+    assert all(s & (s - 1) == 0 for s in map(da.splits_for, range(1, 3000)))
 
 
 @pytest.fixture
@@ -72,25 +100,33 @@ def test_the_kernel_tests_pass_in_tritons_interpreter():
                           "the_kernel_reads", __file__], env={**os.environ, "TRITON_INTERPRET": "1"},
                          capture_output=True, text=True, timeout=600)
     # 12 problems x float32 and float16, and the test past the lengths; bfloat16's 6 skip in the interpreter
-    assert run.returncode == 0 and "13 passed, 6 skipped" in run.stdout, run.stdout[-3000:]
+    assert run.returncode == 0 and "25 passed, 12 skipped" in run.stdout, run.stdout[-3000:]
 
 
-@pytest.mark.parametrize("rows, n_kv_heads, group, capacity, d, split, apart", [
-    (3, 2, 4, 200, 16, 64, False),     # several splits, merged
-    (2, 2, 4, 50, 16, None, False),    # one split: the kernel writes the answer
-    (2, 2, 2, 130, 16, None, True),    # per-query-head choices
-    (1, 1, 1, 300, 16, 128, False),    # one query head per KV head
-    (2, 2, 3, 70, 16, 64, True),       # a group that is no power of two
-    (2, 2, 4, 90, 8, 64, False),       # a head dimension padded to tl.dot's 16
+@pytest.mark.parametrize("rows, n_kv_heads, group, capacity, d, splits, apart", [
+    (3, 2, 4, 200, 16, None, False),   # the default parts, merged
+    (2, 2, 4, 50, 16, 1, False),       # one part: the kernel writes the answer
+    (2, 2, 2, 130, 16, 4, True),       # per-query-head choices
+    (1, 1, 1, 300, 16, 2, False),      # one query head per KV head
+    (2, 2, 3, 70, 16, 8, True),        # a group that is no power of two
+    (2, 2, 4, 90, 8, 4, False),        # a head dimension padded to tl.dot's 16
 ])
+@pytest.mark.parametrize("layout", ["padded", "jagged"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_the_kernel_gives_the_reference(kernel_device, rows, n_kv_heads, group, capacity, d, split, apart, dtype):
+def test_the_kernel_gives_the_reference(kernel_device, rows, n_kv_heads, group, capacity, d, splits, apart, layout,
+                                        dtype):
+    """Padded, and jagged (each pair from its own offset, in another order, with gaps), against the padded
+    reference."""
     if dtype == torch.bfloat16 and kernel_device == "cpu":
         pytest.skip("Triton's interpreter mishandles bfloat16")
-    q, k, v, lengths, allowed = (t if t is None else t.to(kernel_device)
-                                 for t in problem(rows, n_kv_heads, group, capacity, d, apart, dtype))
-    got = da.decode_attention(q, k, v, lengths, 0.25, allowed, split)
+    q, k, v, lengths, allowed = problem(rows, n_kv_heads, group, capacity, d, apart, dtype)
     want = da.reference(q, k, v, lengths, 0.25, allowed)
+    bases = None
+    if layout == "jagged":
+        k, v, allowed, bases = jagged(k, v, allowed, lengths)
+    q, k, v, lengths, allowed, bases = (t if t is None else t.to(kernel_device)
+                                        for t in (q, k, v, lengths, allowed, bases))
+    got = da.decode_attention(q, k, v, lengths, 0.25, allowed, bases, splits).cpu()
     assert got.dtype == dtype and got.shape == q.shape
     tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
@@ -106,7 +142,7 @@ def test_the_kernel_reads_nothing_past_a_heads_length(kernel_device):
         n = int(lengths[2 * r + h])
         k[r, h, n:], v[r, h, n:] = float("nan"), float("inf")
     got = da.decode_attention(q.to(kernel_device), k.to(kernel_device), v.to(kernel_device),
-                              lengths.to(kernel_device), 0.25, split=64)
+                              lengths.to(kernel_device), 0.25, splits=4)
     torch.testing.assert_close(got.float().cpu(), want.float(), rtol=2e-3, atol=2e-3)
 
 

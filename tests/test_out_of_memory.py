@@ -14,7 +14,8 @@ import torch
 import pcs.runner
 from pcs.cache import CompressedCache
 from pcs.engine import Arrival, Cell, DecodePool, DoesNotFit, decode
-from pcs.engine.pool import PoolCache, PoolLayer
+from pcs.engine.pool import PoolLayer
+from pcs.engine.pool_cache import PoolCache
 from pcs.identity import RunIdentity
 from pcs.runner import SampleDoesNotFit, run_cells
 

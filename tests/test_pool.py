@@ -15,11 +15,11 @@ import random
 import pytest
 import torch
 
-from pcs.cache import CompressedCache
+from pcs.cache import CompressedCache, CompressibleLayer
 from pcs.compression import CompressionStats, compress_after_prefill, compress_each_after_prefill, recompress_when_full
 from pcs.bench.instrument import StepKernels, StepOps
 from pcs.engine import Arrival, Cell, DecodePool, decode, prefill
-from pcs.engine.pool import PoolCache
+from pcs.engine.pool_cache import PoolCache
 from pcs.eviction import build_method
 
 from conftest import ARCHITECTURES, compose_cfg, tiny_model
@@ -251,10 +251,14 @@ def test_a_slot_whose_query_heads_chose_apart_is_refused_recompression_as_batch_
         list(decode(DecodePool(model, 2), [arrival]))
 
 
-def test_what_a_join_would_allocate_is_counted_before_it_joins():
+@pytest.mark.parametrize("layout", ["padded", "jagged"])
+def test_what_a_join_would_allocate_is_counted_before_it_joins(layout, request):
     """``DecodePool.growth``, which decides whether a sequence is admitted, counts at least the bytes of the
     buffers its join then allocates (and not twice as many): a first sequence, a second past the slots, one
-    whose query heads chose apart (a mask row each), and ones with a trigger (query rings of their windows)."""
+    whose query heads chose apart (a mask row each), and ones with a trigger (query rings of their windows); each
+    slot at the longest's capacity, or (where attention reads each head's length) each at its own."""
+    if layout == "jagged":
+        request.getfixturevalue("through_lengths")
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(3))
     cells = [(("method=snapkv",), None), (("method=adakv", "selection=perturbation"), 60),
@@ -274,6 +278,26 @@ def test_what_a_join_would_allocate_is_counted_before_it_joins():
             pool.join(seq)
             allocated = sum(t.nbytes for key, t in buffers().items() if key not in before)
             assert allocated <= counted <= 2 * allocated + 1, (seq.method, allocated, counted)
+
+
+def test_a_full_cache_in_flight_leaves_the_compressed_rows_their_own_capacity(through_lengths):
+    """A full cache of 600 entries per head beside seven rows of 40: where attention reads each head's length,
+    each full-attention layer holds what the rows reserved (their own entries and room, rounded to ``ALIGN``; the
+    growth of its buffer aside), not eight slots of the longest row's capacity."""
+    from pcs.engine.jagged import ALIGN, JaggedPoolLayer
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (1, 600), generator=torch.Generator().manual_seed(5))
+    cells = [Cell(build(("method=full",)))] + [Cell(build(("method=snapkv",)))] * 7
+    pool = DecodePool(model, 8)
+    with torch.inference_mode():
+        for seq in Arrival(model, ids, cells, 20, set()).prefill():
+            pool.join(seq)
+    for layer in pool.layers:
+        assert isinstance(layer, JaggedPoolLayer)
+        own = layer.n_kv_heads * (1 + sum(-(-(max(n) + 20) // ALIGN) * ALIGN for n in layer.lengths[:8]))
+        assert layer.total - layer.regions.total() == own
+        assert own <= layer.total <= 1.5 * own
+        assert layer.total < 8 * layer.n_kv_heads * (600 + 20) / 3
 
 
 def test_a_method_that_keeps_everything_is_never_compressed_again():
@@ -307,7 +331,7 @@ def through_lengths(monkeypatch):
     """Pools attend as on CUDA, through ``pcs.kernels.decode_attention``: each (slot, KV head) over its own
     entries, by the lengths the pool keeps on the device, the mask only for query heads that chose apart. On a CPU
     its torch reference computes it; under ``TRITON_INTERPRET=1`` (with Triton installed) the kernel itself."""
-    from pcs.engine import pool as pool_module
+    from pcs.engine import pool_cache as pool_module
     monkeypatch.setattr(pool_module.decode_attention, "available", lambda device, d: True)
 
 
@@ -701,3 +725,63 @@ def test_a_graph_warm_up_leaves_the_pool_as_one_step_leaves_it(arch):
     for alone, warmed in zip(*(p.layers for p in pools)):
         for name in ("next_slot", "next_allowed", "held", "advance", "allowed", "key_buffer", "value_buffer"):
             assert torch.equal(getattr(alone, name), getattr(warmed, name)), name
+
+
+def test_jagged_regions_keep_every_sequences_entries_through_leaves_packing_and_growth(monkeypatch):
+    """The store of ``pcs.engine.jagged`` against a dictionary of what each slot loaded: 300 random joins (per-head
+    lengths, room), leaves (the last slot moving in, or freed) and reloads (recompression), until its regions were
+    both packed in place and moved into a larger buffer. After each, every slot reads back its own entries and
+    mask, the offsets and write indices on the device follow, and the sink, the regions and the free ranges cover
+    the buffer once."""
+    from pcs.engine.jagged import ALIGN, JaggedPoolLayer
+    repacks = []
+    original = JaggedPoolLayer.repack
+    monkeypatch.setattr(JaggedPoolLayer, "repack",
+                        lambda self, total: (repacks.append(total == self.total), original(self, total))[1])
+    h, d, rng = 2, 4, random.Random(0)
+    g = torch.Generator().manual_seed(0)
+    layer, want, live = JaggedPoolLayer(h, d, torch.float32, "cpu", 8), {}, 0
+
+    def batch_one(longest):
+        lengths = [rng.randint(1, longest) for _ in range(h)]
+        row = CompressibleLayer(room=0)
+        keys, values = torch.randn(h, longest, d, generator=g), torch.randn(h, longest, d, generator=g)
+        row.lazy_initialization(keys, values)
+        row.fill(keys, values, lengths)
+        return row, [(keys[i, :n], values[i, :n]) for i, n in enumerate(lengths)]
+
+    for _ in range(300):
+        action = rng.random()
+        if live < 8 and (action < 0.45 or not live):
+            row, want[live] = batch_one(rng.choice([5, 40, 300]))
+            layer.load(live, row, rng.randint(0, 60))
+            live += 1
+        elif action < 0.85:
+            slot, live = rng.randrange(live), live - 1
+            layer.move(live, slot) if slot != live else layer.free(slot)
+            want[slot] = want.pop(live)
+        else:
+            slot = rng.randrange(live)
+            row, want[slot] = batch_one(rng.choice([5, 40]))
+            layer.load(slot, row, 0)
+        covered = torch.zeros(layer.total, dtype=torch.long)
+        covered[:h] += 1
+        for start, n in layer.regions.free:
+            covered[start:start + n] += 1
+        for slot in range(layer.slots):
+            if slot < live:
+                assert layer.cap[slot] % ALIGN == 0 and layer.cap[slot] >= max(len(k) for k, _ in want[slot])
+                covered[layer.base[slot]:layer.base[slot] + h * layer.cap[slot]] += 1
+                mask = layer.region(slot, layer.allowed)[..., 0]             # (H_kv, cap): one row, none apart
+                for (k, v), (got_k, got_v), seen in zip(want[slot], layer.row_layer(slot).heads(), mask):
+                    assert torch.equal(k, got_k) and torch.equal(v, got_v)
+                    assert seen[:len(k)].all() and not seen[len(k):].any()
+            else:
+                assert layer.base[slot] == -1 and not layer.lengths[slot].any()
+        assert (covered == 1).all()
+        lengths = torch.from_numpy(layer.lengths.reshape(-1))
+        bases = torch.tensor([layer.base[s] + i * layer.cap[s] if layer.base[s] >= 0 else i
+                              for s in range(layer.slots) for i in range(h)])
+        assert torch.equal(layer.bases, bases) and torch.equal(layer.held, lengths)
+        assert torch.equal(layer.next_slot, bases + lengths)
+    assert True in repacks and False in repacks, repacks

@@ -40,7 +40,7 @@ from ..hybrid import attention_windows, full_attention_layers, head_dim
 from ..options import EngineOptions, defaults
 from ..upload import upload
 from .compiled import compiled_forward
-from .pool import PoolCache
+from .pool_cache import PoolCache
 from .rings import QueryRings
 
 # How often (in tokens) a sequence with a ``settled`` test is asked it: the test decodes its tokens to text on the
@@ -189,13 +189,10 @@ class DecodePool:
         rows where its query heads chose apart), the logits' and stop masks' rows, and the query rings' (a
         sequence with a trigger, or any while they exist: they follow the slots)."""
         slots, room = len(self.sequences) + 1, seq.room()
-        grown, rows_of_logits = 0, slots
+        grown, rows_of_logits = 0, self.layers[0].grown_slots(slots)
         for layer, held in zip(self.layers, seq.cache.layers):
             rows = max(layer.rows, held.allowed.shape[1] if held.is_buffered and held.allowed is not None else 1)
-            shape = layer.grown(slots, max(held.entries_per_head()) + room, rows)
-            if shape != (layer.slots, layer.capacity, layer.rows):
-                grown += layer.bytes_for(*shape)
-            rows_of_logits = max(rows_of_logits, shape[0])
+            grown += layer.growth(slots, max(held.entries_per_head()) + room, rows)
         if self.logits is None or self.logits.shape[0] < slots:
             vocab = seq.logits.shape[-1]
             grown += rows_of_logits * vocab * (torch.empty(0, dtype=self.model.dtype).element_size() + 1)

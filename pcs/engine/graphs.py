@@ -30,9 +30,7 @@ class StepGraphs:
 
     def layout(self, size: int) -> tuple:
         """What a captured graph is tied to: the bucket and the address and shape of every buffer it touches."""
-        tensors = [t for layer in self.pool.layers
-                   for t in (layer.key_buffer, layer.value_buffer, layer.allowed, layer.next_slot, layer.next_allowed,
-                             layer.held, layer.advance)]
+        tensors = [t for layer in self.pool.layers for t in layer.tensors()]
         tensors += self.pool.rings.tensors() if self.pool.rings is not None else []
         recorders = tuple(layer.recorder is not None for layer in self.pool.layers)
         return (size, recorders) + tuple((t.data_ptr(), tuple(t.shape)) for t in tensors)

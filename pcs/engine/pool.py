@@ -20,16 +20,16 @@ step unchanged.
 On CUDA (``EngineOptions.decode_kernel``) attention goes through ``pcs.kernels.decode_attention`` instead: each
 (slot, KV head) reads its own first ``held`` entries, so neither the padding of shorter heads nor a longer row
 in flight adds to what a row reads; the mask is read only once some row's query heads chose apart (then for
-every row).
+every row). Its full-attention layers are then ``pcs.engine.jagged.JaggedPoolLayer``s, which hold each sequence
+at its own capacity rather than every slot at the longest's.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin
 
 from ..cache import CompressibleLayer, HeldKeys
-from ..hybrid import attention_windows, head_dim
 from ..kernels import decode_attention
 from ..upload import upload
 
@@ -113,6 +113,7 @@ class PoolLayer(CacheLayerMixin):
             held[:old * self.n_kv_heads] = self.held
         self.key_buffer, self.value_buffer, self.allowed, self.lengths, self.advance, self.held = \
             keys, values, allowed, lengths, advance, held
+        self.mask_advance = advance     # how far a step moves each slot's mask index: its entry's, here
         self.slots, self.capacity, self.rows = slots, capacity, rows
         self.next_slot = torch.zeros(slots * self.n_kv_heads, dtype=torch.long, device=self.device)
         self.next_allowed = torch.zeros(slots * self.n_kv_heads * rows, dtype=torch.long, device=self.device)
@@ -121,14 +122,27 @@ class PoolLayer(CacheLayerMixin):
     def grown(self, slots: int, needed: int, rows: int) -> tuple[int, int, int]:
         """The (slots, capacity, rows) ``reserve`` would allocate for these needs."""
         rows = max(rows, self.rows)
-        if slots > self.slots:
-            slots = max(slots, bucket(slots, self.max_slots))
         capacity = self.capacity if needed <= self.capacity else max(needed + GROWTH, self.capacity * 3 // 2)
-        return max(slots, self.slots), capacity, rows
+        return self.grown_slots(slots), capacity, rows
 
     def bytes_for(self, slots: int, capacity: int, rows: int) -> int:
         """Bytes of the buffers of that shape: keys, values and the mask."""
         return slots * self.n_kv_heads * capacity * (2 * self.head_dim * self.key_buffer.element_size() + rows)
+
+    def growth(self, slots: int, needed: int, rows: int) -> int:
+        """Bytes a sequence of ``needed`` entries per head (room included) joining as slot ``slots - 1`` with
+        ``rows`` mask rows would allocate here (0: it fits in what is held)."""
+        shape = self.grown(slots, needed, rows)
+        return 0 if shape == (self.slots, self.capacity, self.rows) else self.bytes_for(*shape)
+
+    def grown_slots(self, slots: int) -> int:
+        """The slots held once slot ``slots - 1`` is taken."""
+        return self.slots if slots <= self.slots else max(slots, bucket(slots, self.max_slots))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The device tensors a step reads or writes (what a captured graph is tied to)."""
+        return [self.key_buffer, self.value_buffer, self.allowed, self.next_slot, self.next_allowed, self.held,
+                self.advance]
 
     def index(self, slots: int | range) -> None:
         """The flat write indices into the buffers and the mask of a slot (or a range of them), and its heads'
@@ -210,7 +224,7 @@ class PoolLayer(CacheLayerMixin):
         advance = self.advance[:b, None]          # expand, not repeat_interleave: no size read back from the device
         per_head = advance.expand(b, h).reshape(-1)
         slots += per_head             # in place through views: ``x[:n] += y`` would copy the slice back as well
-        self.next_allowed[:b * h * r].add_(advance.expand(b, h * r).reshape(-1))
+        self.next_allowed[:b * h * r].add_(self.mask_advance[:b, None].expand(b, h * r).reshape(-1))
         self.held[:b * h].add_(per_head)
         return self.read(b)
 
@@ -308,50 +322,3 @@ class SlidingPoolLayer(PoolLayer):
     def stepped(self, batch: int) -> None:
         self.lengths[:batch] = np.minimum(self.lengths[:batch] + 1, self.window)
         self.positions[:batch] += 1
-
-
-def pool_layer(window: int | None, n_kv_heads: int, head_dim: int, dtype, device, max_slots: int,
-               kernel: bool = False) -> PoolLayer:
-    if window is None:
-        return PoolLayer(n_kv_heads, head_dim, dtype, device, max_slots, kernel)
-    return SlidingPoolLayer(window, n_kv_heads, head_dim, dtype, device, max_slots, kernel)
-
-
-class PoolCache(Cache):
-    """The pool's layers, one per decoder layer, called by transformers' models as any cache. ``kernel``: on CUDA,
-    attention through ``pcs.kernels.decode_attention`` (``EngineOptions.decode_kernel``)."""
-
-    def __init__(self, config, dtype, device, max_slots: int = 1 << 30, kernel: bool = False):
-        super().__init__(layers=[pool_layer(w, config.num_key_value_heads, head_dim(config), dtype, device, max_slots,
-                                            kernel)
-                                 for w in attention_windows(config)])
-
-    def prepare_step(self, batch: int, whole_capacity: bool = False) -> None:
-        """Before a forward of slots ``[0, batch)``: attention reads each layer's longest head plus the step's
-        entry (a sliding layer's ring at most; on CPU each run of slots its own, ``read_spans``), or the layer's
-        whole capacity, a shape that stays the same from step to step (what a captured graph needs). Whole, nothing
-        is computed per layer: a sequence reserved its room for every token it may still take when it joined
-        (``load``), so no buffer grows between joins."""
-        if whole_capacity:
-            for layer in self.layers:
-                layer.width, layer.spans = layer.capacity, None
-            return
-        split = self.layers[0].device.type == "cpu"
-        threads = torch.get_num_threads()
-        for layer in self.layers:
-            layer.reserve(batch, int(layer.lengths[:batch].max()) + 1, layer.rows)
-            needed = layer.lengths[:batch].max(axis=1) + 1
-            layer.width = min(int(needed.max()), layer.capacity)
-            layer.spans = read_spans(needed, layer.width, layer.n_kv_heads, threads) if split else None
-
-    def stepped(self, batch: int) -> None:
-        """After a forward: the host's lengths follow the device's (one entry more per head in flight)."""
-        for layer in self.layers:
-            if layer.is_sliding:
-                layer.stepped(batch)
-            else:
-                layer.lengths[:batch] += 1
-
-    def longest(self, slot: int) -> int:
-        """Most entries any head of the slot holds in a full-attention layer."""
-        return max([int(layer.lengths[slot].max()) for layer in self.layers if not layer.is_sliding], default=0)
