@@ -354,12 +354,13 @@ def test_pooled_decoding_through_head_lengths_gives_batch_one_tokens(arch, throu
     assert compared == 2 * 4 * len(TRIGGERED)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])    # Mistral's forward is Llama's here
 def test_compiled_pooled_decoding_gives_batch_one_tokens(arch, through_lengths):
     """The step's forward compiled, as on CUDA (``engine.compile_step``), attending through the device's lengths,
-    traced by torch.compile and run by torch's own kernels (``aot_eager``: the graph the CUDA path compiles, without
-    generating its code): one graph without a break, not compiled again as the batch and the capacity change (batch
-    1, a mask row per query head and a query ring are variants of their own); batch 1's tokens, rows recompressed
-    while decoding included."""
+    each sequence at its own capacity, traced by torch.compile and run by torch's own kernels (``aot_eager``: the
+    graph the CUDA path compiles, without generating its code): one graph without a break, not compiled again as
+    the batch and the capacity change (batch 1, a mask row per query head and a query ring are variants of their
+    own); batch 1's tokens, rows recompressed while decoding included."""
     from torch._dynamo.utils import counters
     counters.clear()
     model = tiny_model(arch)
