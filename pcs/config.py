@@ -157,6 +157,25 @@ def check_method_knobs(cfg: DictConfig) -> None:
     check_room(cfg.budget, cfg.method.get("window"), cfg.method.get("sinks") or 0)
 
 
+def check_scorer(cfg: DictConfig) -> None:
+    """A method's scorer (``pcs.eviction.scorers``) with the window it reads, and per-KV-head scores where the profile
+    would have each query head choose alone (``profile.gqa=per_query_head``): nothing to choose apart by."""
+    name = cfg.method.get("scorer")
+    if name is None:
+        return
+    from .eviction.scorers import SCORERS      # torch-free: what each scorer reads
+    scorer, window = SCORERS[name], cfg.method.get("window")
+    if name == "window_attention" and not (isinstance(window, int) and window >= 1):
+        raise ConfigError(f"method={cfg.method.name} ranks the prefix by the observation window's attention: "
+                          f"method.window={window} must be at least 1")
+    if scorer.window is not None and window != scorer.window:
+        raise ConfigError(f"method.scorer={name} reads the newest {scorer.window} entr"
+                          f"{'y' if scorer.window == 1 else 'ies'}: method.window={window} must be {scorer.window}")
+    if name != "window_attention" and cfg.profile.get("gqa") == "per_query_head":
+        raise ConfigError(f"profile.gqa=per_query_head has each query head choose by its own attention, and "
+                          f"method.scorer={name} scores per KV head: use another profile.gqa")
+
+
 def check_knob_values(group: str, node: DictConfig) -> None:
     """A group node's knobs against what its option's file declares they may take: ``_choices_`` (knob: the
     allowed values) and ``_range_`` (knob: [low, high], inclusive). Torch-free, so it runs before anything
@@ -175,7 +194,7 @@ def check_room(budget: int | float, window: int | None = None, sinks: int = 0) -
     each prompt holds them by construction: ``pcs.budget.entries``)."""
     if is_share(budget):
         return
-    if window is not None and not 0 < window <= budget:
+    if window is not None and not 0 <= window <= budget:
         raise ConfigError(f"budget={budget} cannot hold the observation window method.window={window}; "
                           f"use budget >= {window} or a smaller window")
     if not 0 <= sinks <= budget - (window or 0):
@@ -194,6 +213,7 @@ def validate(cfg: DictConfig) -> None:
     check_method_knobs(cfg)
     for group in ("method", "selection"):
         check_knob_values(group, cfg[group])
+    check_scorer(cfg)
     from .eviction.conventions import Conventions   # torch-free; a profile checks its own conventions
     Conventions(**knobs(cfg.profile))
     trigger = cfg.compress.trigger

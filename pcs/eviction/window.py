@@ -1,5 +1,7 @@
 """SnapKV-style eviction, shared by SnapKV, PyramidKV and AdaKV: the observation window scores the
-prefix, an allocation gives each KV head its budget, the selection picks the entries (Alg. 2).
+prefix, an allocation gives each KV head its budget, the selection picks the entries (Alg. 2). ``scorer``
+replaces the window's pooled attention by another score of the prefix (``pcs.eviction.scorers``: kvpress's
+KNorm, KeyDiff, TOVA), under the same allocations and selections.
 
 The selection rule (attention or perturbation) is orthogonal to the allocation (uniform, pyramid,
 adaptive): a method here only says how a layer's budget is split, in ``prefix_budgets``. The last
@@ -15,6 +17,7 @@ import torch
 from ..config import check_room
 from .base import LayerState, Method
 from .conventions import PAPER, Conventions
+from .scorers import SCORE, SCORERS
 from .scores import group_mean, pool_scores, window_attention
 from .selection import AttentionSelection, PerturbationSelection, WindowScores
 
@@ -27,6 +30,7 @@ class WindowEviction(Method):
     kernel: int = 7
     pooling: str = "max"
     conventions: Conventions = PAPER
+    scorer: str = "window_attention"
 
     def __post_init__(self):
         check_room(self.budget, self.window)
@@ -53,6 +57,33 @@ class WindowEviction(Method):
         m = n - w
         valid = layer.valid_entries()
         shared = layer.shared if valid is None else None
+        if self.scorer != "window_attention":
+            ws = self.scored(layer, m, shared)
+            ws.valid = None if valid is None else valid[:, :m]
+        else:
+            ws = self.attended(layer, m, valid, shared)
+        if ws.valid is not None:
+            ws.stage1 = ws.stage1.masked_fill(~ws.valid, float("-inf"))
+        budgets = self.prefix_budgets(layer, ws.stage1)
+        if ws.valid is not None:
+            budgets = torch.minimum(budgets, ws.valid.sum(dim=1).to(budgets.device))
+        budgets = budgets.tolist()      # the selections index and size by them on the host: one read
+        return None if min(budgets) >= m else (ws, budgets)
+
+    def scored(self, layer: LayerState, m: int, shared) -> WindowScores:
+        """The prefix ranked by the method's scorer: per KV head, the same scores standing for each of its query
+        heads where a second stage weighs them (as kvpress's CriticalKVPress multiplies its press's scores)."""
+        scores = SCORE[self.scorer](layer)[:, :m].float()                           # (H_kv, m)
+        group = layer.o_proj_weight.shape[1] // layer.keys.shape[2] // layer.keys.shape[0]
+        per_query_head = scores.repeat_interleave(group, dim=0)
+        return WindowScores(per_query_head, per_query_head, scores, layer.values[:, :m], layer.o_proj_weight,
+                            window=self.window, protected=self.protected(), conventions=self.conventions,
+                            shared=shared, search=layer.search, work=layer.work)
+
+    def attended(self, layer: LayerState, m: int, valid, shared) -> WindowScores:
+        """The prefix ranked by the observation window's pooled attention (Alg. 2 lines 3-5), per the profile's
+        GQA convention; ``valid`` marks real entries where heads are padded (``ws.valid`` then set, per row)."""
+        w = self.window
 
         def window_mean():
             attn = window_attention(layer.window_queries, layer.keys, valid)  # (H_q, w, n)
@@ -73,18 +104,15 @@ class WindowEviction(Method):
                           conventions=self.conventions, shared=shared, search=layer.search, work=layer.work)
         if valid is not None:
             ws.valid = valid[:, :m]
-            ws.stage1 = ws.stage1.masked_fill(~ws.valid, float("-inf"))
-        budgets = self.prefix_budgets(layer, ws.stage1)
-        if valid is not None:
-            budgets = torch.minimum(budgets, ws.valid.sum(dim=1).to(budgets.device))
-        budgets = budgets.tolist()      # the selections index and size by them on the host: one read
-        return None if min(budgets) >= m else (ws, budgets)
+        return ws
 
     def keep(self, layer: LayerState):
         planned = self.plan(layer)
         if planned is None:
             return None
         # The window's positions follow the prefix's m = n - window: the selection appends them to every row.
+        if self.two_stage and SCORERS[self.scorer].signed:     # the bounded stage-2 search needs scores >= 0
+            return self.selection.select(planned[1], planned[0], exhaustive=True, tail=self.window)
         return self.selection.select(planned[1], planned[0], tail=self.window)
 
     def stage1(self, layer: LayerState):

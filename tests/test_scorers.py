@@ -1,0 +1,155 @@
+"""The scorers of ``pcs.eviction.scorers`` (kvpress 0.5.5's KNorm, KeyDiff and TOVA presses) and the methods over
+them: each score against a brute-force reading of its press's ``score`` (file and line cited per test), the kept
+entries against kvpress's selections written out (``ScorerPress.compress``, ``AdaKVPress.compress``,
+``CriticalKVPress.score``), pooled decoding against batch 1, and the configs that cannot mean anything refused
+before a model loads."""
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pcs.config import compose, validate
+from pcs.errors import ConfigError
+from pcs.eviction import build_method, scorers
+from pcs.eviction.base import LayerState
+
+from conftest import tiny_model
+
+
+def random_layer(seed, h_kv=2, h_q=6, n=60, d=8, hidden=24, window=1):
+    g = torch.Generator().manual_seed(seed)
+    keys, values = torch.randn(h_kv, n, d, generator=g), torch.randn(h_kv, n, d, generator=g)
+    keys[:, ::7] *= 3          # norms and directions far apart, so that no two scores tie
+    queries = torch.randn(h_q, window, d, generator=g) * 2
+    return LayerState(0, 1, keys, values, queries, torch.randn(hidden, h_q * d, generator=g))
+
+
+def test_knorm_is_minus_each_keys_norm():
+    """kvpress 0.5.5 presses/knorm_press.py lines 45-46: -||k||_2 per entry, in float32."""
+    layer = random_layer(0)
+    want = torch.tensor([[-math.sqrt(sum(float(x) ** 2 for x in k)) for k in head] for head in layer.keys])
+    torch.testing.assert_close(scorers.knorm(layer), want, rtol=1e-6, atol=1e-6)
+
+
+def test_keydiff_is_minus_the_cosine_to_the_mean_unit_key():
+    """kvpress 0.5.5 presses/keydiff_press.py lines 36-46: the anchor is the mean of the unit keys, not
+    renormalised; the score minus each key's cosine similarity to it."""
+    layer = random_layer(1)
+    for head, got in zip(layer.keys, scorers.keydiff(layer)):
+        units = [k / k.norm() for k in head]
+        anchor = sum(units) / len(units)
+        want = [-float(k @ anchor) / (float(k.norm()) * float(anchor.norm())) for k in head]
+        torch.testing.assert_close(got, torch.tensor(want), rtol=1e-5, atol=1e-6)
+
+
+def test_tova_is_the_newest_querys_attention_averaged_over_every_query_head():
+    """kvpress 0.5.5 presses/tova_press.py lines 35-61: softmax(q k / sqrt(d)) of the newest query over every
+    entry, the newest dropped, the mean over all query heads, the same for every KV head; the newest entry scores
+    the maximum plus one."""
+    layer = random_layer(2)
+    h_q, _, d = layer.window_queries.shape
+    h_kv, n, _ = layer.keys.shape
+    rows = []
+    for h in range(h_q):
+        logits = [float(layer.window_queries[h, -1] @ k) / math.sqrt(d) for k in layer.keys[h // (h_q // h_kv)]]
+        top = max(logits)
+        weights = [math.exp(x - top) for x in logits]
+        rows.append([w / sum(weights) for w in weights[:-1]])
+    mean = [sum(r[j] for r in rows) / h_q for j in range(n - 1)]
+    want = torch.tensor(mean + [max(mean) + 1]).expand(h_kv, n)
+    torch.testing.assert_close(scorers.tova(layer), want, rtol=1e-5, atol=1e-7)
+
+
+def method(*overrides):
+    return build_method(compose(["profile=kvpress", "selection=attention", *overrides]))
+
+
+@pytest.mark.parametrize("name", ["knorm", "keydiff", "tova"])
+def test_a_scorer_method_keeps_the_top_of_its_scores_per_head(name):
+    """kvpress 0.5.5 presses/scorer_press.py lines 94-101 (compression_ratio from the budget,
+    ``conventions.kvpress_ratio``): each KV head keeps the ``budget`` entries its press's scores rank highest."""
+    layer, budget = random_layer(3), 20
+    kept = method(f"method={name}", f"budget={budget}").keep(layer)
+    scores = getattr(scorers, name)(layer)
+    for head, got in zip(scores, kept):
+        assert got.tolist() == sorted(head.topk(budget).indices.tolist())
+    assert all(layer.n_tokens - 1 in got.tolist() for got in kept) or name != "tova"
+
+
+def vwl1norm(layer):
+    """kvpress 0.5.5 presses/criticalkv_press.py lines 58-77: per query head ||v W^O_h||_1, the group mean."""
+    h_kv, n, d = layer.values.shape
+    h_q = layer.o_proj_weight.shape[1] // d
+    wo = layer.o_proj_weight.T.reshape(h_q, d, -1)
+    norms = torch.stack([(layer.values[h // (h_q // h_kv)] @ wo[h]).abs().sum(-1) for h in range(h_q)])
+    return norms.view(h_kv, h_q // h_kv, n).mean(1)
+
+
+@pytest.mark.parametrize("name", ["knorm", "keydiff", "tova"])
+def test_criticalkv_over_a_scorer_keeps_what_criticalkvpress_keeps(name):
+    """kvpress 0.5.5 presses/criticalkv_press.py lines 79-97 with ScorerPress.compress: the top
+    ``max(1, int(budget x 0.5))`` by the press's scores, then the rest of the budget by
+    ``(score + 1e-4) x vwl1norm``."""
+    layer, budget = random_layer(4), 20
+    kept = method(f"method={name}", f"budget={budget}", "selection=perturbation_released").keep(layer)
+    scores = getattr(scorers, name)(layer).clone()
+    first = scores.topk(max(1, int(budget * 0.5)), dim=-1).indices
+    scores = (scores + 1e-4) * vwl1norm(layer)
+    scores.scatter_(-1, first, torch.finfo(scores.dtype).max)
+    for head, got in zip(scores, kept):
+        assert got.tolist() == sorted(head.topk(budget).indices.tolist())
+
+
+@pytest.mark.parametrize("name", ["knorm", "keydiff"])
+def test_adakv_over_a_scorer_keeps_what_adakvpress_keeps(name):
+    """kvpress 0.5.5 presses/adakv_press.py lines 54-81: the top ``max(1, int(budget x 0.2))`` of each head
+    protected, the layer's lowest ``H_kv x (n - budget)`` entries pruned together."""
+    layer, budget = random_layer(5, h_kv=4, h_q=8), 20
+    kept = method("method=adakv", f"method.scorer={name}", "method.window=0", f"budget={budget}").keep(layer)
+    scores = getattr(scorers, name)(layer).clone()
+    h_kv, n = scores.shape
+    top = scores.topk(max(1, int(budget * 0.2)), dim=-1).indices
+    scores.scatter_(-1, top, torch.finfo(scores.dtype).max)
+    pruned = (-scores).reshape(-1).topk(h_kv * (n - budget)).indices
+    held = torch.ones(h_kv * n, dtype=torch.bool)
+    held[pruned] = False
+    for head, got in zip(held.view(h_kv, n), kept):
+        assert got.tolist() == head.nonzero().flatten().tolist()
+    assert sum(len(got) for got in kept) == h_kv * budget and len({len(got) for got in kept}) > 1
+
+
+def test_pooled_decoding_over_scorers_gives_batch_one_tokens():
+    """Scorers under each allocation and selection, on a hybrid model and a full-attention one, in pools beside
+    the window's attention: batch 1's tokens (``tests/test_pool.py``'s comparison)."""
+    from test_pool import compare, samples
+    cells = [("method=knorm", "selection=attention"), ("method=keydiff", "selection=perturbation_released"),
+             ("method=tova", "selection=perturbation"), ("method=adakv", "method.scorer=knorm", "method.window=0"),
+             ("method=pyramidkv", "method.scorer=keydiff", "method.window=0", "selection=attention"),
+             ("method=snapkv",)]
+    for arch in ("llama", "gemma3"):
+        model = tiny_model(arch)
+        differ, _, compared = compare(model, samples(model), cells, sizes=(3,))
+        assert compared == 4 * len(cells) and differ == 0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["method=tova", "method.window=4"], "method.scorer=tova reads the newest 1 entry"),
+    (["method=knorm", "profile.gqa=per_query_head"], "scores per KV head"),
+    (["method=snapkv", "method.window=0"], "must be at least 1"),
+])
+def test_a_scorer_config_without_meaning_is_refused_before_torch_loads(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose(overrides))
+
+
+def test_the_refusal_takes_under_two_seconds_without_torch():
+    code = ("import sys, time; t = time.time(); from pcs.config import compose, validate; from pcs.errors import "
+            "ConfigError\ntry: validate(compose(['method=knorm', 'profile.gqa=per_query_head']))\nexcept ConfigError: "
+            "print(time.time() - t, 'torch' in sys.modules)")
+    start = time.time()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert float(out[0]) < 2 and out[1] == "False", out
+    assert time.time() - start < 20
