@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import json
 import subprocess
 import sys
@@ -33,11 +34,23 @@ CASES = {
     "criticalkv": ("snapkv", ["selection=perturbation_released"]),
     "criticalkv_alpha0.25": ("snapkv", ["selection=perturbation_released", "selection.alpha=0.25"]),
     "criticaladakv": ("adakv", ["selection=perturbation_released"]),
+    "knorm": ("knorm", ["selection=attention"]),
+    "keydiff": ("keydiff", ["selection=attention"]),
+    "tova": ("tova", ["selection=attention"]),
+    "adakv_knorm": ("adakv", ["selection=attention", "method.scorer=knorm", "method.window=0"]),
+    "criticalkv_knorm": ("knorm", ["selection=perturbation_released"]),
+    "criticalkv_tova": ("tova", ["selection=perturbation_released"]),
+    "criticaladakv_keydiff": ("adakv", ["selection=perturbation_released", "method.scorer=keydiff",
+                                        "method.window=0"]),
 }
+SCORED = {case for case, (method, overrides) in CASES.items()          # no window attention, no pooling
+          if method in ("knorm", "keydiff", "tova") or any(o.startswith("method.scorer=") for o in overrides)}
 PRESSES = {"snapkv": "SnapKVPress", "pyramidkv": "PyramidKVPress", "adakv": "AdaKVPress",
            "streamingllm": "StreamingLLMPress", "criticalkv": "CriticalKVPress(SnapKVPress)",
            "criticalkv_alpha0.25": "CriticalKVPress(SnapKVPress, first_stage_ratio=0.25)",
-           "criticaladakv": "CriticalAdaKVPress(SnapKVPress)"}
+           "criticaladakv": "CriticalAdaKVPress(SnapKVPress)", "knorm": "KnormPress", "keydiff": "KeyDiffPress",
+           "tova": "TOVAPress", "adakv_knorm": "AdaKVPress(KnormPress)", "criticalkv_knorm": "CriticalKVPress(KnormPress)",
+           "criticalkv_tova": "CriticalKVPress(TOVAPress)", "criticaladakv_keydiff": "CriticalAdaKVPress(KeyDiffPress)"}
 
 
 # ---- kvpress side (runs in kvpress's environment; imports nothing from pcs) ----
@@ -59,6 +72,17 @@ def kvpress_press(case: str, ratio: float, window: int, kernel: int):
         return kvpress.CriticalKVPress(scorer, first_stage_ratio=0.25)
     if case == "criticaladakv":
         return kvpress.CriticalAdaKVPress(scorer, alpha_safeguard=FLOOR)
+    scorers = {"knorm": kvpress.KnormPress, "keydiff": kvpress.KeyDiffPress, "tova": kvpress.TOVAPress}
+    if case in scorers:
+        return scorers[case](compression_ratio=ratio)
+    if case == "adakv_knorm":
+        return kvpress.AdaKVPress(kvpress.KnormPress(compression_ratio=ratio), alpha_safeguard=FLOOR)
+    if case == "criticalkv_knorm":
+        return kvpress.CriticalKVPress(kvpress.KnormPress(compression_ratio=ratio))
+    if case == "criticalkv_tova":
+        return kvpress.CriticalKVPress(kvpress.TOVAPress(compression_ratio=ratio))
+    if case == "criticaladakv_keydiff":
+        return kvpress.CriticalAdaKVPress(kvpress.KeyDiffPress(compression_ratio=ratio), alpha_safeguard=FLOOR)
     raise ValueError(case)
 
 
@@ -170,8 +194,12 @@ def pcs_kept(model, ids: list[int], case: str, budget: int, window: int, kernel:
     from pcs.eviction import build_method
     from pcs.output_perturbation import run_prefill
     method_name, overrides = CASES[case]
-    knobs = [f"method.sinks={SINKS}"] if method_name == "streamingllm" else \
-        [f"method.window={window}", f"method.kernel={kernel}", "method.pooling=avg"]
+    if method_name == "streamingllm":
+        knobs = [f"method.sinks={SINKS}"]
+    elif case in SCORED:             # no window attention: the scorer's own window, no pooling
+        knobs = []
+    else:
+        knobs = [f"method.window={window}", f"method.kernel={kernel}", "method.pooling=avg"]
     if method_name == "adakv":
         knobs.append(f"method.floor={FLOOR}")
     method = build_method(compose([f"method={method_name}", f"budget={budget}", "profile=kvpress"] + overrides + knobs))
@@ -191,9 +219,9 @@ def compare(args) -> list[dict]:
     for prompt, ids in prompts(tokenizer, args.lengths).items():
         for setting, (window, kernel) in SETTINGS.items():
             for budget in args.budgets:
-                for case in CASES:
-                    if case == "streamingllm" and setting != "w32_k7":
-                        continue   # no window or kernel: once is enough
+                for case in args.cases:
+                    if (case == "streamingllm" or case in SCORED) and setting != "w32_k7":
+                        continue   # no window attention or kernel: once is enough
                     theirs = worker.ask({"ids": ids, "case": case, "ratio": kvpress_ratio(budget, len(ids)),
                                          "window": window, "kernel": kernel})["kept"]
                     ours = pcs_kept(model, ids, case, budget, window, kernel)
@@ -235,7 +263,7 @@ def write(rows: list[dict], out: Path) -> None:
              "heads = 90 pairs per cell), written by `make conformance` (scripts/conformance.py).", "",
              "| pcs | kvpress press | cells | identical | min Jaccard | entries kept (pcs / kvpress) | ties at the cut |",
              "|---|---|---:|---:|---:|---:|---:|"]
-    for case in CASES:
+    for case in [c for c in CASES if any(r["pcs"] == c for r in rows)]:
         mine = [r for r in rows if r["pcs"] == case]
         share = 100 * sum(r["identical"] for r in mine) / sum(r["pairs"] for r in mine)
         lines.append(f"| {case} | {PRESSES[case]} | {len(mine)} | {share:.2f} % | {min(r['jaccard'] for r in mine):.4f} | "
@@ -245,7 +273,11 @@ def write(rows: list[dict], out: Path) -> None:
               "same in pcs; there both follow torch.topk's order, so agreement there holds up to ties.", "",
               "Cells: prompts " + ", ".join(sorted({r["prompt"] for r in rows})) + "; budgets "
               + ", ".join(map(str, sorted({r["budget"] for r in rows}))) + "; settings "
-              + ", ".join(f"{k} (window {w}, kernel {k2})" for k, (w, k2) in SETTINGS.items()) + ".", ""]
+              + ", ".join(f"{k} (window {w}, kernel {k2})" for k, (w, k2) in SETTINGS.items()
+                          if any(r["setting"] == k for r in rows))
+              + " (scorers and StreamingLLM have no window attention: one setting).", "",
+              f"Made on a CPU, {datetime.date.today().isoformat()}, by `.venv/bin/python scripts/conformance.py "
+              + " ".join(sys.argv[1:]).replace(str(ROOT) + "/", "") + "`.", ""]
     (out / "README.md").write_text("\n".join(lines))
 
 
@@ -271,6 +303,7 @@ def main() -> int:
     def add_arguments(parser):
         parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
         parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 640])
+        parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     args = arguments(__doc__, kvpress_worker, add_arguments)
     if args is None:
         return 0

@@ -23,8 +23,8 @@ from .stage2_search import Stage2, Stage2Work
 @dataclass
 class WindowScores:
     """Scores of one layer's prefix tokens (the n - w tokens before the observation window)."""
-    mean_attention: torch.Tensor    # (H_q, m) window-mean attention, Alg. 2 line 3
-    pooled_attention: torch.Tensor  # (H_q, m) after pooling, Alg. 2 line 4
+    mean_attention: torch.Tensor    # (H_q, m) window-mean attention, Alg. 2 line 3; a scorer's (H_kv, m) scores
+    pooled_attention: torch.Tensor  # (H_q, m) after pooling, Alg. 2 line 4; a scorer's (H_kv, m) scores
     stage1: torch.Tensor            # (H_kv, m) group mean of the pooled attention
     prefix_values: torch.Tensor     # (H_kv, m, d)
     o_proj_weight: torch.Tensor     # (hidden, H_q * d)
@@ -121,8 +121,10 @@ class PerturbationSelection:
         return (ws.mean_attention if self.stage2_source == "unpooled" else ws.pooled_attention) + self.epsilon
 
     def combine(self, attention: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-        """(..., group, n) attention and norms of KV heads' query heads -> (..., n) stage-2 scores. Monotone in
-        ``norms`` (attention is non-negative), so bounds on the norms give bounds on the scores."""
+        """(..., group, n) attention and norms of KV heads' query heads -> (..., n) stage-2 scores; attention
+        (..., 1, n) stands for every query head of its row (a scorer's scores: ``product_of_means`` is then kvpress's
+        ``(score + epsilon) x`` the group's mean norm, to the bit). Monotone in ``norms`` where attention is
+        non-negative, so bounds on the norms give bounds on the scores."""
         if self.gqa == "mean_of_products":
             return (attention * norms).mean(dim=-2)
         return attention.mean(dim=-2) * norms.mean(dim=-2)

@@ -102,11 +102,12 @@ class Stage2:
         (the selection module's: this module stays below it)."""
         self.selection, self.ws, self.excluded, self.counts = selection, ws, excluded, counts
         self.rows, self.m = excluded.shape
-        self.group = ws.mean_attention.shape[0] // self.rows    # query heads per row
         self.d = ws.prefix_values.shape[-1]
+        self.group = ws.o_proj_weight.shape[1] // self.d // self.rows    # query heads per row
         self.hidden = ws.o_proj_weight.shape[0]
         self.device = excluded.device
-        self.attention = selection.stage2_attention(ws).view(self.rows, self.group, self.m)
+        # (rows, group, m): per query head; (rows, 1, m) where one score stands for the row's query heads (a scorer's)
+        self.attention = selection.stage2_attention(ws).view(self.rows, -1, self.m)
         # The same for the exhaustive and the bounded path, alone or shared: an entry's exact score is the same
         # bits in all.
         plan = norm_plan(self.rows, self.m + ws.window, self.d, self.group, self.hidden, ws.prefix_values.dtype,

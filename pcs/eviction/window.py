@@ -71,12 +71,10 @@ class WindowEviction(Method):
         return None if min(budgets) >= m else (ws, budgets)
 
     def scored(self, layer: LayerState, m: int, shared) -> WindowScores:
-        """The prefix ranked by the method's scorer: per KV head, the same scores standing for each of its query
-        heads where a second stage weighs them (as kvpress's CriticalKVPress multiplies its press's scores)."""
+        """The prefix ranked by the method's scorer: per KV head, the scores standing for all its query heads where a
+        second stage weighs them (as kvpress's CriticalKVPress multiplies its press's scores)."""
         scores = SCORE[self.scorer](layer)[:, :m].float()                           # (H_kv, m)
-        group = layer.o_proj_weight.shape[1] // layer.keys.shape[2] // layer.keys.shape[0]
-        per_query_head = scores.repeat_interleave(group, dim=0)
-        return WindowScores(per_query_head, per_query_head, scores, layer.values[:, :m], layer.o_proj_weight,
+        return WindowScores(scores, scores, scores, layer.values[:, :m], layer.o_proj_weight,
                             window=self.window, protected=self.protected(), conventions=self.conventions,
                             shared=shared, search=layer.search, work=layer.work)
 
