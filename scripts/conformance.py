@@ -43,6 +43,18 @@ CASES = {
     "criticaladakv_keydiff": ("adakv", ["selection=perturbation_released", "method.scorer=keydiff",
                                         "method.window=0"]),
 }
+# Negative controls: each scorer case with one of its press's conventions changed, which must keep other entries
+# somewhere (a comparison that cannot fail would show nothing).
+CONTROLS = {
+    "knorm": ["method.window=16"],                    # the newest entries kept on top: KnormPress keeps none
+    "keydiff": ["method.window=16"],                  # likewise for KeyDiffPress
+    "tova": ["method=snapkv", "method.window=1", "method.kernel=1"],   # each KV head's own query heads averaged,
+                                                                       # where TOVAPress averages all of them
+    "adakv_knorm": ["method.floor=0"],                # no per-head safeguard: AdaKVPress's alpha_safeguard is 0.2
+    "criticalkv_knorm": ["selection.alpha=0.25"],     # a quarter of the budget in stage 1: first_stage_ratio is 0.5
+    "criticalkv_tova": ["selection.alpha=0.25"],
+    "criticaladakv_keydiff": ["selection.alpha=0.25"],
+}
 SCORED = {case for case, (method, overrides) in CASES.items()          # no window attention, no pooling
           if method in ("knorm", "keydiff", "tova") or any(o.startswith("method.scorer=") for o in overrides)}
 PRESSES = {"snapkv": "SnapKVPress", "pyramidkv": "PyramidKVPress", "adakv": "AdaKVPress",
@@ -188,12 +200,15 @@ def prompts(tokenizer, lengths: list[int]) -> dict[str, list[int]]:
     return out
 
 
-def pcs_kept(model, ids: list[int], case: str, budget: int, window: int, kernel: int) -> list:
+def pcs_kept(model, ids: list[int], case: str, budget: int, window: int, kernel: int, changed=()) -> list:
+    """What pcs keeps for ``case`` (``changed``: overrides after the case's own, a negative control's)."""
     import torch
     from pcs.config import compose
     from pcs.eviction import build_method
     from pcs.output_perturbation import run_prefill
     method_name, overrides = CASES[case]
+    method_name = next((c.split("=", 1)[1] for c in changed if c.startswith("method=")), method_name)
+    overrides = list(overrides) + [c for c in changed if not c.startswith("method=")]
     if method_name == "streamingllm":
         knobs = [f"method.sinks={SINKS}"]
     elif case in SCORED:             # no window attention: the scorer's own window, no pooling
@@ -226,6 +241,10 @@ def compare(args) -> list[dict]:
                                          "window": window, "kernel": kernel})["kept"]
                     ours = pcs_kept(model, ids, case, budget, window, kernel)
                     rows.append(summarize(prompt, len(ids), setting, budget, case, ours, theirs))
+                    if case in CONTROLS:
+                        control = summarize(prompt, len(ids), setting, budget, case,
+                                            pcs_kept(model, ids, case, budget, window, kernel, CONTROLS[case]), theirs)
+                        rows[-1]["control_identical"] = control["identical"]
                     print(format_row(rows[-1]), flush=True)
     worker.close()
     return rows
@@ -239,7 +258,7 @@ def summarize(prompt, n, setting, budget, case, ours, theirs) -> dict:
             "kvpress": PRESSES[case], "pairs": len(pairs), "identical": identical,
             "identical_pct": round(100 * identical / len(pairs), 2), "jaccard": round(jaccard, 6),
             "kept_pcs": sum(len(a) for a, _ in pairs), "kept_kvpress": sum(len(b) for _, b in pairs),
-            "ties_at_cut": sum(TIES)}
+            "ties_at_cut": sum(TIES), "control_identical": None}
 
 
 def format_row(r: dict) -> str:
@@ -261,15 +280,21 @@ def write(rows: list[dict], out: Path) -> None:
     lines = ["# Conformance: pcs (profile=kvpress) against NVIDIA kvpress 0.5.5", "",
              "Share of (layer, KV head) pairs whose kept sets are identical, on the embedded SmolLM2 (30 layers x 3 KV",
              "heads = 90 pairs per cell), written by `make conformance` (scripts/conformance.py).", "",
-             "| pcs | kvpress press | cells | identical | min Jaccard | entries kept (pcs / kvpress) | ties at the cut |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             "| pcs | kvpress press | cells | identical | min Jaccard | entries kept (pcs / kvpress) | ties at the cut "
+             "| negative control: identical |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for case in [c for c in CASES if any(r["pcs"] == c for r in rows)]:
         mine = [r for r in rows if r["pcs"] == case]
         share = 100 * sum(r["identical"] for r in mine) / sum(r["pairs"] for r in mine)
+        controls = [r["control_identical"] for r in mine if r.get("control_identical") not in (None, "")]
+        control = (f"{100 * sum(map(int, controls)) / sum(r['pairs'] for r in mine):.2f} % "
+                   f"({' '.join(CONTROLS[case])})" if controls else "-")
         lines.append(f"| {case} | {PRESSES[case]} | {len(mine)} | {share:.2f} % | {min(r['jaccard'] for r in mine):.4f} | "
                      f"{sum(r['kept_pcs'] for r in mine)} / {sum(r['kept_kvpress'] for r in mine)} | "
-                     f"{sum(r['ties_at_cut'] for r in mine)} |")
-    lines += ["", "Ties at the cut: selections (per head and stage) whose last kept and first evicted entry score the "
+                     f"{sum(r['ties_at_cut'] for r in mine)} | {control} |")
+    lines += ["", "Negative control: the share of pairs still identical with one of the press's conventions changed in "
+              "pcs (must stay below 100 %: the comparison can fail).", "",
+              "Ties at the cut: selections (per head and stage) whose last kept and first evicted entry score the "
               "same in pcs; there both follow torch.topk's order, so agreement there holds up to ties.", "",
               "Cells: prompts " + ", ".join(sorted({r["prompt"] for r in rows})) + "; budgets "
               + ", ".join(map(str, sorted({r["budget"] for r in rows}))) + "; settings "
@@ -311,7 +336,11 @@ def main() -> int:
     write(rows, args.out)
     below = [r for r in rows if r["identical"] < r["pairs"]]
     print(f"[pcs] conformance: {len(rows) - len(below)} of {len(rows)} cells 100 % identical; {args.out / 'README.md'}")
-    return 1 if below else 0
+    blind = [case for case in CONTROLS if any(r["pcs"] == case for r in rows)
+             and all(r["control_identical"] == r["pairs"] for r in rows if r["pcs"] == case)]
+    if blind:
+        print(f"[pcs] negative controls keeping what kvpress keeps in every cell: {', '.join(blind)}")
+    return 1 if below or blind else 0
 
 
 if __name__ == "__main__":

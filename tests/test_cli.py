@@ -59,4 +59,4 @@ def test_run_help_describes_the_groups_without_internal_keys():
     for group in ("model=", "method=", "selection=", "budget=", "benchmark=", "profile=", "preset=", "ablation=",
                   "experiment=", "logger="):
         assert f"\n  {group}" in done.stdout, group
-    assert "method: adakv, full, laprox, pyramidkv, snapkv, streamingllm" in done.stdout   # Hydra's list of options
+    assert "method: adakv, full, keydiff, knorm, laprox, pyramidkv, snapkv, streamingllm, tova" in done.stdout   # Hydra's options
