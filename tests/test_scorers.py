@@ -88,12 +88,21 @@ def vwl1norm(layer):
     return norms.view(h_kv, h_q // h_kv, n).mean(1)
 
 
+def repeated(layer):
+    """The layer with a token repeated: entries 3, 8, 13, ... hold entry 1's key and value, so scores tie (at the
+    cut of budget 20 for seed 0: there, stage 2's own top-k after stage 1 keeps other copies than kvpress's)."""
+    layer.keys[:, 3::5], layer.values[:, 3::5] = layer.keys[:, 1:2], layer.values[:, 1:2]
+    return layer
+
+
+@pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("name", ["knorm", "keydiff", "tova"])
-def test_criticalkv_over_a_scorer_keeps_what_criticalkvpress_keeps(name):
+def test_criticalkv_over_a_scorer_keeps_what_criticalkvpress_keeps(name, ties):
     """kvpress 0.5.5 presses/criticalkv_press.py lines 79-97 with ScorerPress.compress: the top
     ``max(1, int(budget x 0.5))`` by the press's scores, then the rest of the budget by
-    ``(score + 1e-4) x vwl1norm``."""
-    layer, budget = random_layer(4), 20
+    ``(score + 1e-4) x vwl1norm``; with a repeated token (ties at the cut) its one torch.topk over the row
+    decides which copies stay, and pcs's does the same."""
+    layer, budget = (repeated(random_layer(0)) if ties else random_layer(4)), 20
     kept = method(f"method={name}", f"budget={budget}", "selection=perturbation_released").keep(layer)
     scores = getattr(scorers, name)(layer).clone()
     first = scores.topk(max(1, int(budget * 0.5)), dim=-1).indices

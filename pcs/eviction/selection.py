@@ -96,6 +96,8 @@ class PerturbationSelection:
             scores = stage2.exhaustive()
         else:
             scores = stage2.search(ws.search, ws.work if ws.work is not None else Stage2Work())
+        if ws.conventions.ties == "topk" and len(set(budgets)) == 1:
+            return positions(one_cut(first, scores, budgets[0], tail), budgets, tail)
         return positions(first | ws.conventions.top_mask(scores, stage2.k, stage2.counts), budgets, tail)
 
     def stage2_scores(self, ws: WindowScores, excluded: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
@@ -128,3 +130,16 @@ class PerturbationSelection:
         if self.gqa == "mean_of_products":
             return (attention * norms).mean(dim=-2)
         return attention.mean(dim=-2) * norms.mean(dim=-2)
+
+
+def one_cut(first: torch.Tensor, scores: torch.Tensor, budget: int, tail: int) -> torch.Tensor:
+    """(rows, m) the prefix entries kept as kvpress's CriticalKVPress keeps them: stage 1's picks and the ``tail``
+    (the window, scored first in stage 1) at the largest float, then one torch.topk of ``budget + tail`` over the
+    whole row (kvpress 0.5.5 presses/criticalkv_press.py lines 93-97, then ScorerPress.compress line 96). The same
+    entries as stage 2's own top-k after stage 1, but for ties at the cut, which fall here as they fall there."""
+    largest = torch.finfo(scores.dtype).max
+    row = scores.masked_fill(first, largest)
+    if tail:
+        row = torch.cat([row, row.new_full((row.shape[0], tail), largest)], dim=1)
+    order = row.topk(budget + tail, dim=-1).indices
+    return torch.zeros_like(row, dtype=torch.bool).scatter_(1, order, True)[:, :scores.shape[1]]
