@@ -112,11 +112,15 @@ def test_criticalkv_over_a_scorer_keeps_what_criticalkvpress_keeps(name, ties):
         assert got.tolist() == sorted(head.topk(budget).indices.tolist())
 
 
+@pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("name", ["knorm", "keydiff"])
-def test_adakv_over_a_scorer_keeps_what_adakvpress_keeps(name):
+def test_adakv_over_a_scorer_keeps_what_adakvpress_keeps(name, ties):
     """kvpress 0.5.5 presses/adakv_press.py lines 54-81: the top ``max(1, int(budget x 0.2))`` of each head
-    protected, the layer's lowest ``H_kv x (n - budget)`` entries pruned together."""
+    protected, the layer's lowest ``H_kv x (n - budget)`` entries pruned together (with a repeated token, its one
+    bottom-k decides which copies go, and pcs's does the same)."""
     layer, budget = random_layer(5, h_kv=4, h_q=8), 20
+    if ties:
+        layer = repeated(layer)
     kept = method("method=adakv", f"method.scorer={name}", "method.window=0", f"budget={budget}").keep(layer)
     scores = getattr(scorers, name)(layer).clone()
     h_kv, n = scores.shape
@@ -127,7 +131,7 @@ def test_adakv_over_a_scorer_keeps_what_adakvpress_keeps(name):
     held[pruned] = False
     for head, got in zip(held.view(h_kv, n), kept):
         assert got.tolist() == head.nonzero().flatten().tolist()
-    assert sum(len(got) for got in kept) == h_kv * budget and len({len(got) for got in kept}) > 1
+    assert sum(len(got) for got in kept) == h_kv * budget and (ties or len({len(got) for got in kept}) > 1)
 
 
 def test_pooled_decoding_over_scorers_gives_batch_one_tokens():

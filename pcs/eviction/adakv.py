@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .scores import positions
 from .window import WindowEviction
 
 
@@ -37,6 +38,21 @@ def kvpress_budgets(scores: torch.Tensor, budget: int, window: int, safeguard: f
     padded = padded.scatter(-1, protected, torch.finfo(padded.dtype).max)
     winners = padded.flatten().topk(n_kv_heads * budget).indices // padded.shape[1]
     return heads_won(winners, n_kv_heads) - window
+
+
+def kvpress_kept(scores: torch.Tensor, budget: int, window: int, safeguard: float) -> torch.Tensor:
+    """(H_kv, n_prefix) the prefix entries kvpress 0.5.5's ``AdaKVPress.compress`` keeps (lines 62-79): after the
+    protection of ``kvpress_budgets``, the complement of one bottom-k of the layer's ``H x (n - budget)`` entries,
+    so that ties at the cut fall as its torch.topk lets them (``kvpress_budgets``' top-k picks the same entries
+    but for such ties)."""
+    n_kv_heads, n_prefix = scores.shape
+    padded = torch.cat([scores, (scores.max() + 1).expand(n_kv_heads, window)], dim=1)
+    n_safe = max(1, int(budget * safeguard)) if safeguard > 0 else 0
+    padded = padded.scatter(-1, padded.topk(n_safe, dim=-1).indices, torch.finfo(padded.dtype).max)
+    pruned = (-padded).flatten().topk(n_kv_heads * (padded.shape[1] - budget)).indices
+    kept = torch.ones(padded.numel(), dtype=torch.bool, device=scores.device)
+    kept[pruned] = False
+    return kept.view(n_kv_heads, -1)[:, :n_prefix]
 
 
 def official_budgets(scores: torch.Tensor, budget: int, window: int, floor: float) -> torch.Tensor:
@@ -76,6 +92,18 @@ class AdaKV(WindowEviction):
         if self.conventions.adakv_allocation == "kvpress" and self.floor > 0:
             return max(0, max(1, int(self.budget * self.floor)) - self.window)
         return 0
+
+    def keep(self, layer):
+        """As every window method keeps, but for kvpress's conventions with attention alone, where the layer's
+        entries are pruned as ``AdaKVPress`` prunes them (``kvpress_kept``: the same entries, ties included)."""
+        replay = self.conventions.adakv_allocation == "kvpress" and self.conventions.ties == "topk"
+        if not replay or self.two_stage or self.conventions.gqa == "per_query_head":
+            return super().keep(layer)
+        planned = self.plan(layer)
+        if planned is None:
+            return None
+        kept = kvpress_kept(planned[0].stage1, self.budget, self.window, self.floor)
+        return positions(kept, kept.sum(dim=1).tolist(), self.window)
 
     def prefix_budgets(self, layer, stage1_scores):
         rule = self.conventions.adakv_allocation
