@@ -208,7 +208,7 @@ def pcs_kept(model, ids: list[int], case: str, budget: int, window: int, kernel:
     from pcs.output_perturbation import run_prefill
     method_name, overrides = CASES[case]
     method_name = next((c.split("=", 1)[1] for c in changed if c.startswith("method=")), method_name)
-    overrides = list(overrides) + [c for c in changed if not c.startswith("method=")]
+    changed = [c for c in changed if not c.startswith("method=")]
     if method_name == "streamingllm":
         knobs = [f"method.sinks={SINKS}"]
     elif case in SCORED:             # no window attention: the scorer's own window, no pooling
@@ -217,7 +217,8 @@ def pcs_kept(model, ids: list[int], case: str, budget: int, window: int, kernel:
         knobs = [f"method.window={window}", f"method.kernel={kernel}", "method.pooling=avg"]
     if method_name == "adakv":
         knobs.append(f"method.floor={FLOOR}")
-    method = build_method(compose([f"method={method_name}", f"budget={budget}", "profile=kvpress"] + overrides + knobs))
+    method = build_method(compose([f"method={method_name}", f"budget={budget}", "profile=kvpress"] + list(overrides)
+                                  + knobs + changed))      # a control's change last: it overrides the case's own
     if hasattr(method, "conventions"):
         method.conventions = counting_ties(method.conventions)
     TIES.clear()
