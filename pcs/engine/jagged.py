@@ -186,18 +186,11 @@ class JaggedPoolLayer(PoolLayer):
         if seen.shape[1] > 1:
             self.apart.add(slot)
 
-    def move(self, source: int, target: int) -> None:
-        """Slot ``target`` takes slot ``source``'s sequence and its region (``target``'s is freed)."""
+    def move_entries(self, source: int, target: int) -> None:
+        """Slot ``target`` takes slot ``source``'s region (``target``'s is freed): no entry moves."""
         self.release(target)
         self.base[target], self.cap[target] = self.base[source], self.cap[source]
         self.base[source], self.cap[source] = -1, 0
-        self.lengths[target] = self.lengths[source]
-        self.advance[target], self.mask_advance[target] = 1, self.rows
-        self.index(target)
-        self.apart.discard(target)
-        if source in self.apart:
-            self.apart.add(target)
-        self.free(source)
 
     def free(self, slot: int) -> None:
         self.apart.discard(slot)

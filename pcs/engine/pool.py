@@ -178,17 +178,22 @@ class PoolLayer(CacheLayerMixin):
 
     def move(self, source: int, target: int) -> None:
         """Slot ``target`` takes slot ``source``'s sequence; ``source`` is freed."""
-        longest = int(self.lengths[source].max())
-        for buffer in (self.key_buffer, self.value_buffer):
-            buffer[target, :, :longest] = buffer[source, :, :longest]
-        self.allowed[target] = self.allowed[source]
+        self.move_entries(source, target)
         self.lengths[target] = self.lengths[source]
         self.advance[target] = 1
+        self.mask_advance[target] = self.mask_advance[source]
         self.index(target)
         self.apart.discard(target)
         if source in self.apart:
             self.apart.add(target)
         self.free(source)
+
+    def move_entries(self, source: int, target: int) -> None:
+        """Slot ``target``'s entries and mask become slot ``source``'s."""
+        longest = int(self.lengths[source].max())
+        for buffer in (self.key_buffer, self.value_buffer):
+            buffer[target, :, :longest] = buffer[source, :, :longest]
+        self.allowed[target] = self.allowed[source]
 
     def free(self, slot: int) -> None:
         self.apart.discard(slot)
