@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,25 +31,67 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def window_queries(attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings,
-                   window: int) -> torch.Tensor:
-    """Rotary-embedded queries of the last ``window`` tokens, (H_q, w, d), recomputed from the layer input as
-    the attention module computes them (its query norm, where it has one: per head in Gemma 3 and Qwen3, over all
-    heads in OLMo 3). Scaled so that
-    ``q k / sqrt(d)``, which the methods' window attention computes, is the model's own logit where its scale
-    is not ``1 / sqrt(d)`` (Gemma's ``query_pre_attn_scalar``)."""
+def query_states(attn: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """(H_q, t, d) queries of the tokens of ``hidden_states`` (1, t, hidden) before rotary, as the attention module
+    computes them (its query norm, where it has one: per head in Gemma 3 and Qwen3, over all heads in OLMo 3)."""
     d = attn.head_dim
-    h = hidden_states[:, -window:]
-    q = attn.q_proj(h)
+    q = attn.q_proj(hidden_states)
     norm = getattr(attn, "q_norm", None)
     if norm is not None and norm.weight.shape[-1] != d:     # over every head's dimensions at once (OLMo 3)
         q = norm(q)
-    q = q.view(1, h.shape[1], -1, d).transpose(1, 2)                    # (1, H_q, w, d)
+    q = q.view(1, hidden_states.shape[1], -1, d).transpose(1, 2)        # (1, H_q, t, d)
     if norm is not None and norm.weight.shape[-1] == d:     # per head (Gemma 3, Qwen3)
         q = norm(q)
+    return q[0]
+
+
+def window_queries(attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings,
+                   window: int) -> torch.Tensor:
+    """Rotary-embedded queries of the last ``window`` tokens, (H_q, w, d), recomputed from the layer input as
+    the attention module computes them (``query_states``). Scaled so that
+    ``q k / sqrt(d)``, which the methods' window attention computes, is the model's own logit where its scale
+    is not ``1 / sqrt(d)`` (Gemma's ``query_pre_attn_scalar``)."""
+    q = query_states(attn, hidden_states[:, -window:])
     cos, sin = position_embeddings
-    cos, sin = cos[:, -window:].unsqueeze(1), sin[:, -window:].unsqueeze(1)
-    return at_unit_scale((q * cos + rotate_half(q) * sin)[0], getattr(attn, "scaling", None))
+    cos, sin = cos[0, -window:], sin[0, -window:]
+    return at_unit_scale(q * cos + rotate_half(q) * sin, getattr(attn, "scaling", None))
+
+
+class PromptQueries:
+    """Every query of one layer's prompt, computed only when a method reads them (a scorer of the whole prompt:
+    ``pcs.eviction.scorers``), then once for every method sharing the prefill; and the model's rotary embedding
+    at any position of this layer (Expected Attention's future positions)."""
+
+    def __init__(self, attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings, rotary):
+        self.attn, self.hidden, self.position_embeddings, self.rotary = attn, hidden_states, position_embeddings, rotary
+
+    @property
+    def n_tokens(self) -> int:
+        return self.hidden.shape[1]
+
+    @functools.cached_property
+    def unrotated(self) -> torch.Tensor:
+        """(H_q, n, d) before rotary and unscaled, as the module computes them."""
+        return query_states(self.attn, self.hidden)
+
+    @functools.cached_property
+    def rotated(self) -> torch.Tensor:
+        """(H_q, n, d) at their positions, at the methods' unit scale (``window_queries``)."""
+        return window_queries(self.attn, self.hidden, self.position_embeddings, self.n_tokens)
+
+    def rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary (cos, sin), each (len(positions), d), of this layer at ``positions``."""
+        cos, sin = self.rotary(self.hidden, positions[None])
+        return cos[0], sin[0]
+
+
+def rotary_of(model, attn: torch.nn.Module):
+    """The model's rotary embedding as ``attn``'s layer applies it, ``(x, positions) -> (cos, sin)`` (a hybrid
+    model's rotary takes the layer's type: Gemma 3's full-attention layers rotate at their own base)."""
+    rotary = model.model.rotary_emb
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        return functools.partial(rotary, layer_type=model.config.layer_types[attn.layer_idx])
+    return rotary
 
 
 def at_unit_scale(queries: torch.Tensor, scaling: float | None) -> torch.Tensor:
@@ -156,6 +199,7 @@ def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer, o
     device = next(model.parameters()).device
     late = LaggedCompression(device, layers_behind(device, options))
     kernel = options.stage2.value_norm_kernel
+    rotaries = [rotary_of(model, module) for module in modules]
 
     def hook(module, args, kwargs, output):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
@@ -169,8 +213,9 @@ def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer, o
         keys, values = layer.dense()
         queries = {w: window_queries(module, hidden, kwargs["position_embeddings"], w) if w else keys.new_empty(0)
                    for w in windows}
+        prompt = PromptQueries(module, hidden, kwargs["position_embeddings"], rotaries[module.layer_idx])
         state = LayerState(module.layer_idx, len(modules), keys, values, queries[max(windows, default=0)],
-                           module.o_proj.weight, compressed=compressed,
+                           module.o_proj.weight, compressed=compressed, prompt=prompt,
                            shared=SharedScores(values, module.o_proj.weight, kernel) if shared else None,
                            search=options.stage2)
         late.push(lambda: on_layer(queries, state, layer))

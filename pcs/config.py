@@ -8,7 +8,8 @@ A group option's file (``method/snapkv.yaml``, ``benchmark/needle.yaml``, ...) h
   ``_target_`` the class implementing it (``module.Class``); ``_uses_`` the run-level settings it reads
   (``budget``, ``selection``: a run reads one only if its method and its benchmark both declare it);
   ``_judging_`` (benchmarks) knobs that decide how outputs are judged, not what is generated;
-  ``_choices_`` and ``_range_`` the values a knob may take (checked before torch loads).
+  ``_choices_`` and ``_range_`` the values a knob may take (checked before torch loads);
+  ``_prefill_only_`` (methods) true where it chooses from a prefill only, never again while decoding.
 
 Declarations are looked up in the option's file by name, so a run folder's saved config (knobs only)
 is enough to name, label and rescore it. Every message names the offending value and what would do.
@@ -174,6 +175,12 @@ def check_scorer(cfg: DictConfig) -> None:
     if name != "window_attention" and cfg.profile.get("gqa") == "per_query_head":
         raise ConfigError(f"profile.gqa=per_query_head has each query head choose by its own attention, and "
                           f"method.scorer={name} scores per KV head: use another profile.gqa")
+    if scorer.prompt and cfg.get("compress", {}).get("trigger") is not None:
+        raise ConfigError(f"method.scorer={name} reads every query of the prompt, which only the prefill has: "
+                          f"compress.trigger (decoding-time compression) cannot use it; set compress.trigger=null")
+    if scorer.sinks and not is_share(cfg.budget) and cfg.budget < scorer.sinks + (window or 0):
+        raise ConfigError(f"method.scorer={name} always keeps the first {scorer.sinks} entries: budget={cfg.budget} "
+                          f"must hold them")
 
 
 def check_knob_values(group: str, node: DictConfig) -> None:
@@ -223,6 +230,9 @@ def validate(cfg: DictConfig) -> None:
     if trigger is not None and not (positive_int(trigger) and trigger > cfg.budget):
         raise ConfigError(f"compress.trigger={trigger!r} must be an integer above budget={cfg.budget} "
                           f"(or null for no decoding-time compression)")
+    if trigger is not None and declared("method", cfg.method.name, "prefill_only", False):
+        raise ConfigError(f"method={cfg.method.name} chooses from a prefill only: compress.trigger (decoding-time "
+                          f"compression) cannot use it; set compress.trigger=null")
     if trigger is not None and cfg.get("profile", {}).get("gqa") == "per_query_head":
         raise ConfigError("compress.trigger does not work with profile.gqa=per_query_head (a layer whose query heads "
                           "chose apart is not compressed again); use another profile.gqa or no trigger")

@@ -42,7 +42,15 @@ CASES = {
     "criticalkv_tova": ("tova", ["selection=perturbation_released"]),
     "criticaladakv_keydiff": ("adakv", ["selection=perturbation_released", "method.scorer=keydiff",
                                         "method.window=0"]),
+    "expected_attention": ("expected_attention", ["selection=attention"]),
+    "observed_attention": ("observed_attention", ["selection=attention"]),
+    "adakv_expected_attention": ("adakv", ["selection=attention", "method.scorer=expected_attention",
+                                           "method.window=0"]),
+    "criticalkv_expected_attention": ("expected_attention", ["selection=perturbation_released"]),
+    "criticalkv_observed_attention": ("observed_attention", ["selection=perturbation_released"]),
 }
+SCORERS = ("knorm", "keydiff", "tova", "expected_attention", "observed_attention")
+EAGER = {"observed_attention", "criticalkv_observed_attention"}   # kvpress reads an eager prefill's weights
 # Negative controls: each scorer case with one of its press's conventions changed, which must keep other entries
 # somewhere (a comparison that cannot fail would show nothing).
 CONTROLS = {
@@ -54,15 +62,24 @@ CONTROLS = {
     "criticalkv_knorm": ["selection.alpha=0.25"],     # a quarter of the budget in stage 1: first_stage_ratio is 0.5
     "criticalkv_tova": ["selection.alpha=0.25"],
     "criticaladakv_keydiff": ["selection.alpha=0.25"],
+    "expected_attention": ["method.window=16"],
+    "observed_attention": ["method.window=16"],
+    "adakv_expected_attention": ["method.floor=0"],
+    "criticalkv_expected_attention": ["selection.alpha=0.25"],
+    "criticalkv_observed_attention": ["selection.alpha=0.25"],
 }
 SCORED = {case for case, (method, overrides) in CASES.items()          # no window attention, no pooling
-          if method in ("knorm", "keydiff", "tova") or any(o.startswith("method.scorer=") for o in overrides)}
+          if method in SCORERS or any(o.startswith("method.scorer=") for o in overrides)}
 PRESSES = {"snapkv": "SnapKVPress", "pyramidkv": "PyramidKVPress", "adakv": "AdaKVPress",
            "streamingllm": "StreamingLLMPress", "criticalkv": "CriticalKVPress(SnapKVPress)",
            "criticalkv_alpha0.25": "CriticalKVPress(SnapKVPress, first_stage_ratio=0.25)",
            "criticaladakv": "CriticalAdaKVPress(SnapKVPress)", "knorm": "KnormPress", "keydiff": "KeyDiffPress",
            "tova": "TOVAPress", "adakv_knorm": "AdaKVPress(KnormPress)", "criticalkv_knorm": "CriticalKVPress(KnormPress)",
-           "criticalkv_tova": "CriticalKVPress(TOVAPress)", "criticaladakv_keydiff": "CriticalAdaKVPress(KeyDiffPress)"}
+           "criticalkv_tova": "CriticalKVPress(TOVAPress)", "criticaladakv_keydiff": "CriticalAdaKVPress(KeyDiffPress)",
+           "expected_attention": "ExpectedAttentionPress", "observed_attention": "ObservedAttentionPress",
+           "adakv_expected_attention": "AdaKVPress(ExpectedAttentionPress)",
+           "criticalkv_expected_attention": "CriticalKVPress(ExpectedAttentionPress)",
+           "criticalkv_observed_attention": "CriticalKVPress(ObservedAttentionPress)"}
 
 
 # ---- kvpress side (runs in kvpress's environment; imports nothing from pcs) ----
@@ -84,15 +101,17 @@ def kvpress_press(case: str, ratio: float, window: int, kernel: int):
         return kvpress.CriticalKVPress(scorer, first_stage_ratio=0.25)
     if case == "criticaladakv":
         return kvpress.CriticalAdaKVPress(scorer, alpha_safeguard=FLOOR)
-    scorers = {"knorm": kvpress.KnormPress, "keydiff": kvpress.KeyDiffPress, "tova": kvpress.TOVAPress}
+    scorers = {"knorm": kvpress.KnormPress, "keydiff": kvpress.KeyDiffPress, "tova": kvpress.TOVAPress,
+               "expected_attention": kvpress.ExpectedAttentionPress,
+               "observed_attention": kvpress.ObservedAttentionPress}
     if case in scorers:
         return scorers[case](compression_ratio=ratio)
+    if case == "adakv_expected_attention":
+        return kvpress.AdaKVPress(kvpress.ExpectedAttentionPress(compression_ratio=ratio), alpha_safeguard=FLOOR)
+    if case.startswith("criticalkv_") and case[len("criticalkv_"):] in scorers:
+        return kvpress.CriticalKVPress(scorers[case[len("criticalkv_"):]](compression_ratio=ratio))
     if case == "adakv_knorm":
         return kvpress.AdaKVPress(kvpress.KnormPress(compression_ratio=ratio), alpha_safeguard=FLOOR)
-    if case == "criticalkv_knorm":
-        return kvpress.CriticalKVPress(kvpress.KnormPress(compression_ratio=ratio))
-    if case == "criticalkv_tova":
-        return kvpress.CriticalKVPress(kvpress.TOVAPress(compression_ratio=ratio))
     if case == "criticaladakv_keydiff":
         return kvpress.CriticalAdaKVPress(kvpress.KeyDiffPress(compression_ratio=ratio), alpha_safeguard=FLOOR)
     raise ValueError(case)
@@ -101,13 +120,23 @@ def kvpress_press(case: str, ratio: float, window: int, kernel: int):
 def kvpress_worker(model_dir: str) -> None:
     """Reads requests (JSON lines), answers each with the kept positions per layer and KV head."""
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, DynamicCache
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    transformers.utils.logging.disable_progress_bar()
+    models = {}
+
+    def model_for(case):      # SDPA, or eager where the press reads attention weights
+        kind = "eager" if case in EAGER else "sdpa"
+        if kind not in models:
+            models[kind] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                                attn_implementation=kind).eval()
+        return models[kind]
     full = {}
     for line in sys.stdin:
         request = json.loads(line)
         ids = torch.tensor([request["ids"]])
-        key = tuple(request["ids"])
+        model = model_for(request["case"])
+        key = (model.config._attn_implementation, *request["ids"])   # an eager prefill's keys differ in the last bits
         with torch.inference_mode():
             if key not in full:   # the uncompressed keys, to find where each kept key came from
                 cache = DynamicCache()

@@ -59,4 +59,5 @@ def test_run_help_describes_the_groups_without_internal_keys():
     for group in ("model=", "method=", "selection=", "budget=", "benchmark=", "profile=", "preset=", "ablation=",
                   "experiment=", "logger="):
         assert f"\n  {group}" in done.stdout, group
-    assert "method: adakv, full, keydiff, knorm, laprox, pyramidkv, snapkv, streamingllm, tova" in done.stdout   # Hydra's options
+    assert ("method: adakv, defensivekv, expected_attention, full, keydiff, knorm, laprox, layer_defensivekv, "
+            "observed_attention, pyramidkv, snapkv, streamingllm, tova") in done.stdout   # Hydra's options

@@ -1,4 +1,5 @@
-"""The scorers of ``pcs.eviction.scorers`` (kvpress 0.5.5's KNorm, KeyDiff and TOVA presses) and the methods over
+"""The scorers of ``pcs.eviction.scorers`` (kvpress 0.5.5's KNorm, KeyDiff, TOVA, Expected Attention and observed
+attention presses) and the methods over
 them: each score against a brute-force reading of its press's ``score`` (file and line cited per test), the kept
 entries against kvpress's selections written out (``ScorerPress.compress``, ``AdaKVPress.compress``,
 ``CriticalKVPress.score``), pooled decoding against batch 1, and the configs that cannot mean anything refused
@@ -63,15 +64,160 @@ def test_tova_is_the_newest_querys_attention_averaged_over_every_query_head():
     torch.testing.assert_close(scorers.tova(layer), want, rtol=1e-5, atol=1e-7)
 
 
+class RandomPrompt:
+    """A prompt's queries for a random layer (``pcs.compression.PromptQueries``' interface), rotated by the standard
+    rotary embedding at base 10,000: each pair of dimensions (i, i + d/2) turned by position x 10000^(-2i/d)."""
+
+    def __init__(self, unrotated):
+        self.unrotated, self.n_tokens = unrotated, unrotated.shape[1]
+        cos, sin = self.rotation(torch.arange(self.n_tokens))
+        half = unrotated.shape[-1] // 2
+        turned = torch.cat([-unrotated[..., half:], unrotated[..., :half]], dim=-1)
+        self.rotated = unrotated * cos + turned * sin
+
+    def rotation(self, positions):
+        d = self.unrotated.shape[-1]
+        angles = positions[:, None].double() * 10000.0 ** (-torch.arange(0, d, 2).double() / d)
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos().float(), angles.sin().float()
+
+
+def prompt_layer(seed, h_kv=2, h_q=6, n=40, d=8):
+    """A random layer whose keys are its prompt's own (the prompt's rotated queries, another projection)."""
+    layer = random_layer(seed, h_kv, h_q, n, d)
+    g = torch.Generator().manual_seed(seed + 100)
+    layer.prompt = RandomPrompt(torch.randn(h_q, n, d, generator=g) + torch.randn(h_q, 1, d, generator=g))
+    return layer
+
+
+def test_expected_attention_is_the_expected_attention_of_a_gaussian_future_query_times_the_value_norm():
+    """kvpress 0.5.5 presses/expected_attention_press.py: the mean and (biased) covariance of the queries after the
+    first 4 (lines 62-86), rotated by the mean of the next 512 positions' rotary matrices (lines 88-124; built here
+    from the rotation of each pair of dimensions, not from kvpress's matrix formula), then per query head
+    exp(mu k / sqrt(d) + k Sigma k / 2d) normalised over the entries after the sinks, the group's mean, times ||v||,
+    the sinks at the maximum plus one (lines 126-165). In float64."""
+    layer = prompt_layer(6)
+    q = layer.prompt.unrotated[:, 4:].double()
+    h_q, s, d = q.shape
+    h_kv, n, _ = layer.keys.shape
+    mean = q.mean(dim=1)
+    cov = torch.stack([sum(torch.outer(x - mean[h], x - mean[h]) for x in q[h]) / s for h in range(h_q)])
+    rotation = torch.zeros(d, d, dtype=torch.float64)
+    for t in range(n, n + 512):
+        for i in range(d // 2):
+            angle = t * 10000.0 ** (-2 * i / d)
+            c, si = math.cos(angle), math.sin(angle)
+            rotation[i, i] += c / 512
+            rotation[i + d // 2, i + d // 2] += c / 512
+            rotation[i, i + d // 2] += -si / 512
+            rotation[i + d // 2, i] += si / 512
+    mean, cov = mean @ rotation.T, rotation @ cov @ rotation.T
+    keys, values = layer.keys[:, 4:].double(), layer.values[:, 4:].double()
+    group = h_q // h_kv
+    want = torch.zeros(h_kv, n - 4, dtype=torch.float64)
+    for h in range(h_q):
+        k = keys[h // group]
+        logits = torch.tensor([float(mean[h] @ kj) / math.sqrt(d) + float(kj @ cov[h] @ kj) / (2 * d) for kj in k])
+        want[h // group] += torch.softmax(logits.double(), dim=0) / group
+    want *= values.norm(dim=-1)
+    want = torch.cat([torch.full((h_kv, 4), float(want.max()) + 1, dtype=torch.float64), want], dim=1)
+    torch.testing.assert_close(scorers.expected_attention(layer).double(), want, rtol=2e-5, atol=1e-6)
+
+
+def test_observed_attention_is_each_entrys_mean_attention_over_the_queries_that_see_it():
+    """kvpress 0.5.5 presses/observed_attention_press.py lines 45-49: the prefill's attention weights summed over
+    the queries, divided by the number of queries that see each entry (n - j), the group's mean. Brute force over
+    the causal attention of every prompt query, in float64."""
+    layer = prompt_layer(7)
+    q, keys = layer.prompt.rotated.double(), layer.keys.double()
+    h_q, n, d = q.shape
+    h_kv = keys.shape[0]
+    group = h_q // h_kv
+    want = torch.zeros(h_kv, n, dtype=torch.float64)
+    for h in range(h_q):
+        for i in range(n):
+            weights = torch.softmax(keys[h // group, :i + 1] @ q[h, i] / math.sqrt(d), dim=0)
+            want[h // group, :i + 1] += weights / torch.arange(n, n - i - 1, -1, dtype=torch.float64) / group
+    torch.testing.assert_close(scorers.observed_attention(layer).double(), want, rtol=1e-5, atol=1e-7)
+
+
+class Recording:
+    """A method that keeps everything and records a scorer's scores of every layer its prefill passes."""
+    window, model_wide, two_stage, evicts = 0, False, False, True
+
+    def __init__(self, scorer):
+        self.scorer, self.scores = scorer, {}
+
+    def for_prompt(self, n_tokens):
+        return self
+
+    def keep(self, layer):
+        self.scores[layer.layer_idx] = self.scorer(layer)
+        return None
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_observed_attention_in_a_prefill_is_kvpresss_reading_of_the_eager_attention_weights(arch):
+    """The prompt's queries a prefill hands a scorer (``PromptQueries``) are the model's own: observed attention
+    computed from them equals kvpress's formula over the eager attention weights the model returns (the full-attention
+    layers of a hybrid model)."""
+    from pcs.output_perturbation import run_prefill
+    model = tiny_model(arch)
+    model.set_attn_implementation("eager")
+    ids = torch.randint(0, model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
+    recording = Recording(scorers.observed_attention)
+    with torch.no_grad():
+        run_prefill(model, ids, {"r": recording})
+        weights = model(input_ids=ids, output_attentions=True).attentions
+    assert recording.scores
+    h_kv = model.config.num_key_value_heads
+    for layer_idx, got in recording.scores.items():
+        received = weights[layer_idx][0].sum(dim=1) / torch.arange(48, 0, -1)
+        torch.testing.assert_close(got, received.view(h_kv, -1, 48).mean(dim=1), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_expected_attention_in_a_prefill_reads_the_queries_before_rotary_and_the_layers_rotary(arch):
+    """What a prefill hands Expected Attention: the queries before rotary are the module's projection (and query
+    norm), and rotating them at the prompt's positions gives the queries the module attends with; the rotary at any
+    position is the one the layer applies (a hybrid model's full-attention layers: their own base)."""
+    from pcs.output_perturbation import run_prefill
+    model = tiny_model(arch)
+    ids = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
+    prompts = {}
+    recording = Recording(lambda layer: prompts.setdefault(layer.layer_idx, layer.prompt))
+    with torch.no_grad():
+        run_prefill(model, ids, {"r": recording})
+        for layer_idx, prompt in prompts.items():
+            attn = model.model.layers[layer_idx].self_attn
+            scale = attn.scaling * math.sqrt(attn.head_dim)
+            cos, sin = prompt.rotation(torch.arange(32))
+            half = attn.head_dim // 2
+            q = prompt.unrotated
+            turned = torch.cat([-q[..., half:], q[..., :half]], dim=-1)
+            torch.testing.assert_close((q * cos + turned * sin) * scale, prompt.rotated, rtol=1e-5, atol=1e-6)
+            layer_type = getattr(model.config, "layer_types", [None] * 99)[layer_idx]
+            if layer_type is not None:
+                assert layer_type == "full_attention"
+            far = prompt.rotation(torch.arange(1000, 1003))[0]
+            rope = model.model.rotary_emb
+            args = (torch.arange(1000, 1003)[None],) + ((layer_type,) if layer_type else ())
+            torch.testing.assert_close(far, rope(q, *args)[0][0])
+    assert prompts
+
+
 def method(*overrides):
     return build_method(compose(["profile=kvpress", "selection=attention", *overrides]))
 
 
-@pytest.mark.parametrize("name", ["knorm", "keydiff", "tova"])
+SCORED = ["knorm", "keydiff", "tova", "expected_attention", "observed_attention"]
+
+
+@pytest.mark.parametrize("name", SCORED)
 def test_a_scorer_method_keeps_the_top_of_its_scores_per_head(name):
     """kvpress 0.5.5 presses/scorer_press.py lines 94-101 (compression_ratio from the budget,
     ``conventions.kvpress_ratio``): each KV head keeps the ``budget`` entries its press's scores rank highest."""
-    layer, budget = random_layer(3), 20
+    layer, budget = prompt_layer(3), 20
     kept = method(f"method={name}", f"budget={budget}").keep(layer)
     scores = getattr(scorers, name)(layer)
     for head, got in zip(scores, kept):
@@ -96,13 +242,13 @@ def repeated(layer):
 
 
 @pytest.mark.parametrize("ties", [False, True])
-@pytest.mark.parametrize("name", ["knorm", "keydiff", "tova"])
+@pytest.mark.parametrize("name", SCORED)
 def test_criticalkv_over_a_scorer_keeps_what_criticalkvpress_keeps(name, ties):
     """kvpress 0.5.5 presses/criticalkv_press.py lines 79-97 with ScorerPress.compress: the top
     ``max(1, int(budget x 0.5))`` by the press's scores, then the rest of the budget by
     ``(score + 1e-4) x vwl1norm``; with a repeated token (ties at the cut) its one torch.topk over the row
     decides which copies stay, and pcs's does the same."""
-    layer, budget = (repeated(random_layer(0)) if ties else random_layer(4)), 20
+    layer, budget = (repeated(prompt_layer(0)) if ties else prompt_layer(4)), 20
     kept = method(f"method={name}", f"budget={budget}", "selection=perturbation_released").keep(layer)
     scores = getattr(scorers, name)(layer).clone()
     first = scores.topk(max(1, int(budget * 0.5)), dim=-1).indices
@@ -113,12 +259,12 @@ def test_criticalkv_over_a_scorer_keeps_what_criticalkvpress_keeps(name, ties):
 
 
 @pytest.mark.parametrize("ties", [False, True])
-@pytest.mark.parametrize("name", ["knorm", "keydiff"])
+@pytest.mark.parametrize("name", ["knorm", "keydiff", "expected_attention", "observed_attention"])
 def test_adakv_over_a_scorer_keeps_what_adakvpress_keeps(name, ties):
     """kvpress 0.5.5 presses/adakv_press.py lines 54-81: the top ``max(1, int(budget x 0.2))`` of each head
     protected, the layer's lowest ``H_kv x (n - budget)`` entries pruned together (with a repeated token, its one
     bottom-k decides which copies go, and pcs's does the same)."""
-    layer, budget = random_layer(5, h_kv=4, h_q=8), 20
+    layer, budget = prompt_layer(5, h_kv=4, h_q=8), 20
     if ties:
         layer = repeated(layer)
     kept = method("method=adakv", f"method.scorer={name}", "method.window=0", f"budget={budget}").keep(layer)
@@ -141,7 +287,8 @@ def test_pooled_decoding_over_scorers_gives_batch_one_tokens():
     cells = [("method=knorm", "selection=attention"), ("method=keydiff", "selection=perturbation_released"),
              ("method=tova", "selection=perturbation"), ("method=adakv", "method.scorer=knorm", "method.window=0"),
              ("method=pyramidkv", "method.scorer=keydiff", "method.window=0", "selection=attention"),
-             ("method=snapkv",)]
+             ("method=expected_attention", "selection=perturbation_released"),
+             ("method=adakv", "method.scorer=observed_attention", "method.window=0"), ("method=snapkv",)]
     for arch in ("llama", "gemma3"):
         model = tiny_model(arch)
         differ, _, compared = compare(model, samples(model), cells, sizes=(3,))
@@ -152,6 +299,10 @@ def test_pooled_decoding_over_scorers_gives_batch_one_tokens():
     (["method=tova", "method.window=4"], "method.scorer=tova reads the newest 1 entry"),
     (["method=knorm", "profile.gqa=per_query_head"], "scores per KV head"),
     (["method=snapkv", "method.window=0"], "must be at least 1"),
+    (["method=expected_attention", "compress.trigger=300", "budget=256"], "only the prefill has"),
+    (["method=adakv", "method.scorer=observed_attention", "method.window=0", "compress.trigger=300", "budget=256"],
+     "only the prefill has"),
+    (["method=expected_attention", "budget=3"], "always keeps the first 4 entries"),
 ])
 def test_a_scorer_config_without_meaning_is_refused_before_torch_loads(overrides, message):
     with pytest.raises(ConfigError, match=message):

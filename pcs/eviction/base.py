@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -16,6 +16,9 @@ from .. import budget
 from ..options import Stage2Search, defaults
 from .scores import SharedScores
 from .stage2_search import Stage2Work
+
+if TYPE_CHECKING:
+    from ..compression import PromptQueries
 
 # Per layer: None (the layer is kept whole) or one ascending LongTensor of kept positions per KV head.
 Kept = Optional[list[torch.Tensor]]
@@ -36,6 +39,7 @@ class LayerState:
     shared: SharedScores | None = None   # scores computed once for every run sharing this prefill
     search: Stage2Search = field(default_factory=lambda: defaults().stage2)   # how stage 2 searches (a selection's)
     work: Stage2Work | None = None       # the prompt's stage-2 tally for this method (None: the layer's alone)
+    prompt: PromptQueries | None = None  # every query of the prompt, on demand (after a prefill; not when decoding)
 
     def seen_by(self, window_queries: torch.Tensor, work: Stage2Work | None = None) -> LayerState:
         """The same layer as a method with another observation window sees it (its own last queries), counting

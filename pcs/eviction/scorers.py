@@ -1,6 +1,7 @@
 """Scores that rank a layer's prefix without the observation window's pooled attention: the scorers of NVIDIA
 kvpress 0.5.5, each as its press's ``score`` computes it, for a window method's ``scorer`` knob
-(``method=knorm``, or ``method=adakv method.scorer=knorm method.window=0`` for AdaKV's allocation over it).
+(``method=knorm``, or ``method=adakv method.scorer=knorm method.window=0`` for AdaKV's allocation over it):
+KNorm, KeyDiff, TOVA, Expected Attention and observed attention (H2O's).
 
 A scorer rates every one of a layer's n entries per KV head, higher kept first; the method keeps its ``window``
 newest entries on top (kvpress pads them with the maximum score plus one) and ranks the prefix before them. What a
@@ -15,19 +16,27 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Scorer:
     """A scorer's needs. ``window``: the newest entries its press always keeps and the queries it reads (None: any
-    window the method sets). ``signed``: its scores may be negative. A two-stage selection over a scorer ranks its
+    window the method sets). ``signed``: its scores may be negative. ``prompt``: it reads every query of the prompt
+    (``LayerState.prompt``), which only a prefill has, so decoding-time compression cannot use it. ``sinks``: the
+    first entries its press always keeps (the budget must hold them). A two-stage selection over a scorer ranks its
     second stage by the scorer's score times ``||v W^O||``, as kvpress's CriticalKVPress does over any press (over
     a negative score a larger norm ranks lower, as there); such a stage is searched exhaustively, since the
     bounded search assumes scores of at least zero."""
     window: int | None
     signed: bool
+    prompt: bool = False
+    sinks: int = 0
 
+
+EXPECTED_SINKS, EXPECTED_FUTURE = 4, 512     # ExpectedAttentionPress's n_sink and n_future_positions (lines 56-57)
 
 SCORERS = {
     "window_attention": Scorer(window=None, signed=False),   # SnapKV's: the window's pooled attention
     "knorm": Scorer(window=None, signed=True),
     "keydiff": Scorer(window=None, signed=True),
     "tova": Scorer(window=1, signed=False),
+    "expected_attention": Scorer(window=0, signed=False, prompt=True, sinks=EXPECTED_SINKS),
+    "observed_attention": Scorer(window=0, signed=False, prompt=True),
 }
 
 
@@ -57,4 +66,68 @@ def tova(layer):
     return F.pad(scores, (0, 1), value=scores.max().item() + 1)
 
 
-SCORE = {"knorm": knorm, "keydiff": keydiff, "tova": tova}
+def prompt_of(layer):
+    if layer.prompt is None:
+        raise ValueError("this scorer reads every query of the prompt, which only a prefill has "
+                         "(decoding-time compression cannot use it)")
+    return layer.prompt
+
+
+def expected_attention(layer):
+    """The attention a future query is expected to pay each entry, times the entry's value norm (kvpress 0.5.5
+    ``presses/expected_attention_press.py``, its defaults: covariance and value norms on, epsilon 0). Future queries
+    are a Gaussian fitted to the prompt's queries before rotary, the first 4 left out (lines 62-86), rotated by the
+    mean rotary matrix of the next 512 positions (lines 88-124); each entry scores
+    ``softmax_j(mu k_j / sqrt(d) + k_j^T Sigma k_j / 2d)`` over the entries after the sinks, averaged over the KV
+    head's query heads, times ``||v_j||`` (lines 126-162); the 4 sinks score the maximum plus one (line 165). The
+    rotary is the layer's own (kvpress asks the model's for the default one, which a hybrid model has not)."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+    prompt, sinks = prompt_of(layer), EXPECTED_SINKS
+    queries = prompt.unrotated[:, sinks:].float()                                    # (H_q, s, d)
+    d = queries.shape[-1]
+    mean = queries.mean(dim=1, keepdim=True)
+    centred = queries - mean
+    cov = torch.einsum("nsi,nsj->nij", centred, centred) / queries.shape[1]          # (H_q, d, d)
+    future = torch.arange(prompt.n_tokens, prompt.n_tokens + EXPECTED_FUTURE, device=queries.device)
+    cos, sin = (t.float() for t in prompt.rotation(future))                         # (512, d)
+    eye = torch.eye(d, device=cos.device, dtype=cos.dtype)
+    half = torch.eye(d // 2, device=cos.device, dtype=cos.dtype)
+    turn = torch.zeros(d, d, device=cos.device, dtype=cos.dtype)                     # turn @ q == rotate_half(q)
+    turn[d // 2:, :d // 2], turn[:d // 2, d // 2:] = half, -half
+    rotation = (cos.unsqueeze(1) * eye + sin.unsqueeze(1) * turn).mean(dim=0)       # (d, d)
+    mean = torch.matmul(mean.squeeze(1), rotation.T)                                  # (H_q, d)
+    cov = torch.matmul(rotation, torch.matmul(cov, rotation.T))
+    keys, values = layer.keys[:, sinks:].float(), layer.values[:, sinks:].float()      # (H_kv, n - sinks, d)
+    n_kv, n = keys.shape[0], keys.shape[1]
+    group = mean.shape[0] // n_kv
+    keys = keys.repeat_interleave(group, dim=0).transpose(1, 2)                       # (H_q, d, n)
+    scores = torch.matmul(mean.unsqueeze(1), keys).squeeze(1) / math.sqrt(d)
+    scores += torch.einsum("hin,hij,hjn->hn", keys, cov, keys) / d / 2
+    scores = F.softmax(scores, dim=-1).view(n_kv, group, n).mean(dim=1)
+    scores = scores * values.norm(dim=-1)
+    return F.pad(scores, (sinks, 0), value=scores.max().item() + 1)
+
+
+def observed_attention(layer):
+    """Each entry's attention over the prefill, summed over the queries that see it and divided by their number,
+    averaged over the KV head's query heads (kvpress 0.5.5 ``presses/observed_attention_press.py`` lines 45-49: H2O's
+    accumulated attention). kvpress reads the weights of an eager prefill; here the prompt's queries attend again,
+    a block of queries at a time, so memory stays that of a block."""
+    import torch
+    from .scores import rows_per_chunk, window_attention
+    queries, keys = prompt_of(layer).rotated, layer.keys
+    n_q, n = queries.shape[0], keys.shape[1]
+    block = rows_per_chunk(256 << 20, n_q * n, torch.float32)
+    received = torch.zeros(n_q, n, dtype=torch.float32, device=keys.device)
+    for start in range(0, n, block):
+        end = min(start + block, n)     # queries start..end-1 see the keys before end, causally inside the block
+        received[:, :end] += window_attention(queries[:, start:end], keys[:, :end]).sum(dim=1)
+    received /= torch.arange(n, 0, -1, device=keys.device, dtype=torch.float32)
+    return received.view(keys.shape[0], -1, n).mean(dim=1)
+
+
+SCORE = {"knorm": knorm, "keydiff": keydiff, "tova": tova, "expected_attention": expected_attention,
+         "observed_attention": observed_attention}

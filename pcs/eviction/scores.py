@@ -316,6 +316,7 @@ class SharedScores:
         self.values, self.o_proj_weight = values, o_proj_weight     # (H_kv, n, d), (hidden, H_q * d)
         self.kernel = kernel      # the norms kernel where it runs (``Stage2Search.value_norm_kernel``)
         self._window_means: dict[int, torch.Tensor] = {}
+        self._scorers: dict[str, torch.Tensor] = {}
         self._norms: dict[tuple[int, bool], torch.Tensor] = {}
 
     def window_mean(self, window: int, compute) -> torch.Tensor:
@@ -323,6 +324,12 @@ class SharedScores:
         if window not in self._window_means:
             self._window_means[window] = compute()
         return self._window_means[window]
+
+    def scorer(self, name: str, compute) -> torch.Tensor:
+        """(H_kv, n) scores of the scorer ``name`` (``pcs.eviction.scorers``): ``compute()`` the first time."""
+        if name not in self._scorers:
+            self._scorers[name] = compute()
+        return self._scorers[name]
 
     def value_norms(self, group: int, l1_norm: str) -> torch.Tensor:
         """(H_q, n) float32 ``||v_i W^O_h||_1`` of every entry, query heads scored ``group`` at a time, summed as

@@ -73,7 +73,9 @@ class WindowEviction(Method):
     def scored(self, layer: LayerState, m: int, shared) -> WindowScores:
         """The prefix ranked by the method's scorer: per KV head, the scores standing for all its query heads where a
         second stage weighs them (as kvpress's CriticalKVPress multiplies its press's scores)."""
-        scores = SCORE[self.scorer](layer)[:, :m].float()                           # (H_kv, m)
+        score = SCORE[self.scorer]
+        scores = (score(layer) if shared is None else shared.scorer(self.scorer, lambda: score(layer)))
+        scores = scores[:, :m].float()                                                 # (H_kv, m)
         return WindowScores(scores, scores, scores, layer.values[:, :m], layer.o_proj_weight,
                             window=self.window, protected=self.protected(), conventions=self.conventions,
                             shared=shared, search=layer.search, work=layer.work)
