@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 import torch
 
@@ -17,11 +17,18 @@ from ..options import Stage2Search, defaults
 from .scores import SharedScores
 from .stage2_search import Stage2Work
 
-if TYPE_CHECKING:
-    from ..compression import PromptQueries
-
 # Per layer: None (the layer is kept whole) or one ascending LongTensor of kept positions per KV head.
 Kept = Optional[list[torch.Tensor]]
+
+
+class Prompt(Protocol):
+    """Every query of a layer's prompt (``pcs.compression.PromptQueries`` computes them when first read)."""
+    n_tokens: int
+    unrotated: torch.Tensor     # (H_q, n, d) before rotary, unscaled, as the attention module computes them
+    rotated: torch.Tensor       # (H_q, n, d) at their positions, scaled as ``window_queries`` are
+
+    def rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's rotary (cos, sin), each (len(positions), d), at ``positions``."""
 
 
 @dataclass
@@ -39,7 +46,7 @@ class LayerState:
     shared: SharedScores | None = None   # scores computed once for every run sharing this prefill
     search: Stage2Search = field(default_factory=lambda: defaults().stage2)   # how stage 2 searches (a selection's)
     work: Stage2Work | None = None       # the prompt's stage-2 tally for this method (None: the layer's alone)
-    prompt: PromptQueries | None = None  # every query of the prompt, on demand (after a prefill; not when decoding)
+    prompt: Prompt | None = None         # every query of the prompt, on demand (after a prefill; not when decoding)
 
     def seen_by(self, window_queries: torch.Tensor, work: Stage2Work | None = None) -> LayerState:
         """The same layer as a method with another observation window sees it (its own last queries), counting

@@ -2,11 +2,17 @@
 heatmaps, RULER and ablation figures and perturbation-analysis figures, from a results folder or a tidy CSV.
 
     python -m pcs.report --results PATH --out DIR [--paper] [--resamples N --seed S]
+    python -m pcs.report --results PATH --leaderboard EXPERIMENT [...] [--bench JSONL ...] --out DIR
 
 PATH is a folder of run folders (any depth) or a CSV with columns model, method, selection, budget,
 score (and optionally domain, table), such as the paper's own numbers, shipped as
 ``pcs/data/paper_longbench_tables.csv``. ``--paper`` puts the paper's value and the difference
 beside each measured cell. Everything lands in DIR, indexed by ``DIR/report.md``.
+
+``--leaderboard`` writes only a leaderboard of the runs of those experiments' sweeps under PATH (finished or not,
+on the samples all have answered): per model and length, each run's score with its interval, the entries it
+kept, its prefill and decode time relative to the full cache (from ``--bench`` files of ``python -m pcs.bench
+--json``), and the paired effect of perturbation selection; in ``DIR/README.md``, with a figure per table.
 """
 from __future__ import annotations
 
@@ -24,11 +30,13 @@ from ..plots.ablation import ablation_figure
 from ..plots.labels import setting_knobs
 from ..plots.needle import needle_comparison, needle_heatmap
 from ..plots.needle_heads import needle_heads_figure
+from ..plots.leaderboard import leaderboard_figure
 from ..plots.ruler import ruler_figure
 from ..plots.savings import savings_plot
 from .ablation import blocks as ablation_blocks, knob_effects, markdown as ablation_markdown
 from .collect import collect, paper_tables, run_folders, same_cells
 from . import needle_heads
+from .leaderboard import leaderboard, markdown as leaderboard_markdown
 from .ruler import length_deltas, plain, score_intervals
 from .savings import savings
 from .significance import MIN_STRATUM, RESAMPLES, SEED, savings_intervals, significance
@@ -248,6 +256,40 @@ def build(results: Path, out: Path, with_paper: bool = False, resamples: int = R
     return index
 
 
+def build_leaderboard(results: Path, experiments: list[str], bench: list[Path], out: Path,
+                      resamples: int = RESAMPLES, seed: int = SEED, command_line: str = "") -> Path:
+    """``DIR/README.md``: the leaderboard of ``experiments``' runs, the command that makes it, and what it shows."""
+    board = leaderboard(experiments, results, bench, resamples, seed)
+    if board.empty:
+        raise FileNotFoundError(f"no run of {' '.join(experiments)} under {results}")
+    experiments = [e for e in experiments if "=" not in e]
+    out.mkdir(parents=True, exist_ok=True)
+    board.drop(columns="run_dir").to_csv(out / "leaderboard.csv", index=False)
+    devices = sorted({json.loads((Path(d) / "metrics.json").read_text()).get("device", "?")
+                      for d in board["run_dir"] if (Path(d) / "metrics.json").exists()})
+    lines = ["# Leaderboard", "",
+             f"Every method of experiment {', '.join(f'`{e}`' for e in experiments)}, run on "
+             f"{', '.join(devices) or 'an unrecorded device'}; written {pd.Timestamp.now():%Y-%m-%d} by", "",
+             f"    {command_line}", "",
+             "Score: the mean over tasks [95 % bootstrap interval, samples resampled within tasks]. KV kept: the "
+             "share of the full cache's entries. Prefill and decode: time relative to the full cache, from the bench "
+             "files given (random prompts at the nearest context; - where none was given). Last column: perturbation "
+             "minus attention-only selection for the same method and budget on the same samples [95 % paired "
+             f"interval], * where it excludes zero (each interval on its own; {resamples} resamples, seed {seed}). "
+             "Methods without a selection (their own rule) show `none`. Runs in progress enter with the samples "
+             "every run of the experiment has answered.", ""]
+    for (model, length), block in board.groupby(["model", "length"], sort=True):
+        lines += leaderboard_markdown(block)
+        figure = leaderboard_figure(block, out / f"{model}_{length}.png", f"{model}, {length} tokens")
+        if figure is not None:
+            lines += [f"![{model} {length}]({figure.name})", ""]
+    lines += ["What this shows: how these methods rank on these tasks for these small models (the embedded "
+              "SmolLM2-135M and Gemma 3 270M). What it does not: how they rank on 8B models or on other tasks; "
+              "that needs the same experiment run on a cluster with another `model=`.", ""]
+    (out / "README.md").write_text("\n".join(lines))
+    return out / "README.md"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = command("pcs.report", __doc__)
     parser.add_argument("--results", type=Path, required=True, help="results folder or tidy CSV")
@@ -256,9 +298,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paper", action="store_true", help="show the paper's value and the difference per cell")
     parser.add_argument("--resamples", type=int, default=RESAMPLES, help="bootstrap resamples (default 10000)")
     parser.add_argument("--seed", type=int, default=SEED, help="bootstrap seed (default 0)")
+    parser.add_argument("--leaderboard", nargs="+", metavar="EXPERIMENT", help="write only the leaderboard of these "
+                        "experiments' runs (options of pcs/conf/experiment; an item with = overrides them all, as "
+                        "the sweep was run), to DIR/README.md")
+    parser.add_argument("--bench", nargs="+", type=Path, default=[], metavar="JSONL",
+                        help="pcs.bench files (--json) giving the leaderboard's prefill and decode times")
     args = parser.parse_args(argv)
     if not args.results.exists():
         parser.error(f"--results {args.results} does not exist")
+    if args.leaderboard:
+        command_line = " ".join(["python -m pcs.report", *(sys.argv[1:] if argv is None else argv)])
+        written = build_leaderboard(args.results, args.leaderboard, args.bench, args.out, args.resamples, args.seed,
+                                    command_line.replace(str(Path.cwd()) + "/", ""))
+        print(f"[pcs] leaderboard: {written}")
+        return 0
     print(f"[pcs] report: {build(args.results, args.out, args.paper, args.resamples, args.seed)}")
     if args.results.is_dir():
         for used, others in same_cells(args.results):

@@ -1,0 +1,137 @@
+"""A leaderboard: every run of an experiment's sweep (``experiment=leaderboard``) on the samples all of them have
+answered, per model and context length. Each row: the mean score over tasks with its 95 % bootstrap interval
+(samples resampled within tasks), the share of the full cache's entries kept, prefill and decode time relative to
+the full cache (from a ``pcs.bench`` file where one is given), and, where the method takes a selection, the paired
+difference of perturbation to attention-only selection at the same budget [95 % interval]."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..identity import RunIdentity
+from ..paths import read_jsonl
+from .significance import RESAMPLES, SEED, paired_bootstrap, scores_frame, strata_of
+
+COLUMNS = ["model", "length", "method", "selection", "budget", "n", "score", "ci_low", "ci_high", "kv_kept",
+           "prefill_rel", "decode_rel", "effect", "effect_low", "effect_high", "run_dir"]
+
+
+def experiment_runs(experiment: str, results: Path, overrides: list[str] = ()) -> dict[Path, RunIdentity]:
+    """The run folders an experiment's sweep (with ``overrides``) writes under ``results`` (each once), that exist
+    there."""
+    from ..projection import sweep_configs
+    runs = {}
+    for cfg in sweep_configs([f"experiment={experiment}", *overrides]):
+        identity = RunIdentity(cfg)
+        path = results / identity.folder
+        if (path / "predictions.jsonl").exists():
+            runs.setdefault(path, identity)
+    return runs
+
+
+def answered(run_dir: Path) -> pd.DataFrame:
+    """A run's answers so far (finished or not): ``scores_frame``'s columns and the share of entries kept."""
+    rows = read_jsonl(run_dir / "predictions.jsonl")
+    frame = scores_frame(rows, run_dir)
+    frame["kv_kept"] = [r["kv_cache_bytes"] / r["kv_cache_bytes_full"] for r in rows]
+    return frame.drop_duplicates("id", keep="last").sort_values("id", kind="stable").reset_index(drop=True)
+
+
+def bench_costs(paths: list[Path]) -> pd.DataFrame:
+    """Per (model, context, method, selection, budget): prefill and decode time over the full cache's in the same
+    ``pcs.bench`` file."""
+    rows = []
+    for path in paths:
+        bench = pd.DataFrame(read_jsonl(path))
+        for (model, context), block in bench.groupby(["model", "context"]):
+            full = block[block["method"] == "full"]
+            if full.empty:
+                continue
+            for _, r in block.iterrows():
+                rows.append({"model": model, "context": int(context), "method": r["method"],
+                             "selection": r["selection"], "budget": r["budget"],
+                             "prefill_rel": r["prefill_s"] / full["prefill_s"].iloc[0],
+                             "decode_rel": r["decode_ms_per_token"] / full["decode_ms_per_token"].iloc[0]})
+    return pd.DataFrame(rows, columns=["model", "context", "method", "selection", "budget", "prefill_rel",
+                                       "decode_rel"])
+
+
+def cost_of(costs: pd.DataFrame, identity: RunIdentity, length: int) -> tuple[float, float]:
+    """The bench's relative (prefill, decode) time for a run's cell at the bench context nearest ``length``."""
+    cfg = identity.cfg
+    mine = costs[(costs["model"] == cfg.model.name) & (costs["method"] == cfg.method.name)
+                 & (costs["selection"] == identity.selection_label)]
+    if identity.reads_budget:
+        mine = mine[mine["budget"].astype(float) == float(cfg.budget)]
+    if mine.empty:
+        return float("nan"), float("nan")
+    nearest = mine.iloc[(mine["context"] - length).abs().argsort()[:1]]
+    return float(nearest["prefill_rel"].iloc[0]), float(nearest["decode_rel"].iloc[0])
+
+
+def leaderboard(experiments: list[str], results: Path, bench: list[Path] = (), resamples: int = RESAMPLES,
+                seed: int = SEED) -> pd.DataFrame:
+    """The rows of every experiment named in ``experiments``; its items with ``=`` are overrides of them all (as a
+    sweep was run with: ``benchmark.n_samples=100``)."""
+    costs = bench_costs(list(bench))
+    overrides = [e for e in experiments if "=" in e]
+    rows = []
+    for experiment in [e for e in experiments if "=" not in e]:
+        runs = experiment_runs(experiment, results, overrides)
+        if not runs:
+            continue
+        frames = {path: answered(path) for path in runs}
+        shared = set.intersection(*(set(f["id"]) for f in frames.values()))
+        frames = {path: f[f["id"].isin(shared)].reset_index(drop=True) for path, f in frames.items()}
+        for path, identity in runs.items():
+            frame = frames[path]
+            for length in sorted(set(frame["length"])):
+                rows.append(row(identity, path, frame, int(length), frames, runs, costs, resamples, seed))
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def row(identity, path, frame, length, frames, runs, costs, resamples, seed) -> dict:
+    cfg = identity.cfg
+    strata = strata_of(frame, length=length)
+    score = paired_bootstrap(frame["score"].to_numpy(dtype=float), strata, resamples, seed)
+    at_length = frame["length"] == length
+    out = {"model": cfg.model.name, "length": length, "method": cfg.method.name,
+           "selection": identity.selection_label, "budget": cfg.budget if identity.reads_budget else None,
+           "n": score.n, "score": score.delta, "ci_low": score.ci_low, "ci_high": score.ci_high,
+           "kv_kept": float(frame.loc[at_length, "kv_kept"].mean()), "effect": np.nan, "effect_low": np.nan,
+           "effect_high": np.nan, "run_dir": str(path)}
+    out["prefill_rel"], out["decode_rel"] = cost_of(costs, identity, length)
+    if identity.reads_selection and cfg.selection.name != "attention":
+        base = next((p for p, i in runs.items() if i.cfg.method.name == cfg.method.name
+                     and i.reads_selection and i.cfg.selection.name == "attention" and i.cfg.budget == cfg.budget
+                     and i.cfg.model.name == cfg.model.name), None)
+        if base is not None:
+            other = frames[base].set_index("id").loc[frame["id"], "score"].to_numpy(dtype=float)
+            effect = paired_bootstrap(frame["score"].to_numpy(dtype=float) - other, strata, resamples, seed)
+            out.update(effect=effect.delta, effect_low=effect.ci_low, effect_high=effect.ci_high)
+    return out
+
+
+def markdown(board: pd.DataFrame) -> list[str]:
+    """One table per model and length: the full cache first, then by budget and score."""
+    lines = []
+    for (model, length), block in board.groupby(["model", "length"], sort=True):
+        n = int(block["n"].max())
+        lines += [f"### {model}, {length} tokens ({n} samples per run)", "",
+                  "| method | selection | budget | score [95 %] | KV kept | prefill | decode | perturbation - attention "
+                  "[95 %] |", "|---|---|---:|---|---:|---:|---:|---|"]
+        order = block.assign(_full=block["budget"].notna(), _budget=block["budget"].fillna(0))
+        for _, r in order.sort_values(["_full", "_budget", "score"], ascending=[True, True, False]).iterrows():
+            budget = "-" if pd.isna(r["budget"]) else f"{r['budget']:g}"
+            score = f"{r['score']:.1f} [{r['ci_low']:.1f}, {r['ci_high']:.1f}]" if not pd.isna(r["ci_low"]) \
+                else f"{r['score']:.1f}"
+            costs = ["-" if pd.isna(r[c]) else f"{r[c]:.2f}x" for c in ("prefill_rel", "decode_rel")]
+            effect = "-" if pd.isna(r["effect"]) else f"{r['effect']:+.1f}" if pd.isna(r["effect_low"]) else (
+                f"{r['effect']:+.1f} [{r['effect_low']:+.1f}, {r['effect_high']:+.1f}]"
+                + ("*" if r["effect_low"] > 0 or r["effect_high"] < 0 else ""))
+            lines.append(f"| {r['method']} | {r['selection']} | {budget} | {score} | {100 * r['kv_kept']:.1f} % | "
+                         f"{costs[0]} | {costs[1]} | {effect} |")
+        lines.append("")
+    return lines

@@ -1,0 +1,84 @@
+"""The leaderboard (``pcs.report --leaderboard``): from run folders of experiment=leaderboard's sweep written here
+with known answers, each row's score, entries kept, relative costs and selection effect worked out by hand, on the
+samples every run has answered."""
+import json
+
+import pytest
+
+from pcs.identity import RunIdentity
+from pcs.report.__main__ import main
+from pcs.report.leaderboard import leaderboard
+
+from conftest import compose_cfg
+
+OVERRIDES = ["experiment=leaderboard", "benchmark.n_samples=10"]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def write_answers(results, overrides, right, kept=0.25, extra=0):
+    """A run whose answers to niah_single_1 and niah_single_2 (10 each) are right at the indices ``right[task]``;
+    ``extra`` more niah_single_1 answers past those (a run ahead of the others)."""
+    cfg = compose_cfg(*OVERRIDES, *overrides)
+    folder = results / RunIdentity(cfg).folder
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(RunIdentity(cfg).saved_config)
+    rows = [{"id": f"{task}_2048_{i}", "task": task, "length": 2048, "stratum": f"{task}_2048",
+             "score": 100.0 if i in answers else 0.0, "kv_cache_bytes": kept * 1000, "kv_cache_bytes_full": 1000}
+            for task, answers in right.items() for i in range(10)]
+    rows += [{**rows[0], "id": f"niah_single_1_2048_{10 + i}", "score": 0.0} for i in range(extra)]
+    (folder / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "metrics.json").write_text(json.dumps({"device": "cpu", "score": 0.0}))
+    return folder
+
+
+@pytest.fixture
+def results(tmp_path):
+    root = tmp_path / "results"
+    write_answers(root, ["method=full"], {"niah_single_1": range(10), "niah_single_2": range(9)}, kept=1.0)
+    write_answers(root, ["method=snapkv", "selection=attention", "budget=256"],
+                  {"niah_single_1": range(3), "niah_single_2": range(5)}, extra=3)
+    write_answers(root, ["method=snapkv", "selection=perturbation", "budget=256"],
+                  {"niah_single_1": range(5), "niah_single_2": range(2, 10)})
+    write_answers(root, ["method=defensivekv", "budget=256"],
+                  {"niah_single_1": range(8), "niah_single_2": range(10)}, kept=0.2)
+    return root
+
+
+def test_rows_are_worked_out_on_the_samples_every_run_answered(results, tmp_path):
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"model": "smollm2", "context": 2048, "method": "full", "selection": "none", "budget": None,
+         "prefill_s": 2.0, "decode_ms_per_token": 50.0},
+        {"model": "smollm2", "context": 2048, "method": "snapkv", "selection": "perturbation", "budget": 256,
+         "prefill_s": 2.5, "decode_ms_per_token": 40.0},
+        {"model": "smollm2", "context": 4096, "method": "snapkv", "selection": "perturbation", "budget": 256,
+         "prefill_s": 9.0, "decode_ms_per_token": 45.0}]))
+    board = leaderboard(["leaderboard", "benchmark.n_samples=10"], results, [bench], resamples=500)
+    rows = board.set_index(["method", "selection"])
+    assert len(board) == 4 and set(board["n"]) == {20}          # snapkv attention's 3 extra answers left out
+    # the mean over the two tasks: (30 + 50) / 2, (50 + 80) / 2, (80 + 100) / 2, (100 + 90) / 2
+    assert rows.loc[("snapkv", "attention"), "score"] == pytest.approx(40.0)
+    assert rows.loc[("snapkv", "perturbation"), "score"] == pytest.approx(65.0)
+    assert rows.loc[("defensivekv", "none"), "score"] == pytest.approx(90.0)
+    assert rows.loc[("full", "none"), "score"] == pytest.approx(95.0)
+    # paired per task: niah_single_1 +1 at samples 3 and 4 -> +20; niah_single_2 -1 at 0 and 1, +1 at 5-9 -> +30
+    assert rows.loc[("snapkv", "perturbation"), "effect"] == pytest.approx(25.0)
+    low, high = rows.loc[("snapkv", "perturbation"), ["effect_low", "effect_high"]]
+    assert low < 25.0 < high
+    assert rows[["effect"]].isna().sum().iloc[0] == 3                 # only the perturbation row has one
+    assert rows.loc[("defensivekv", "none"), "kv_kept"] == pytest.approx(0.2)
+    assert rows.loc[("snapkv", "perturbation"), ["prefill_rel", "decode_rel"]].tolist() == pytest.approx([1.25, 0.8])
+    assert rows.loc[("snapkv", "attention"), ["prefill_rel"]].isna().all()   # not in the bench file
+
+
+def test_the_command_writes_the_table_a_figure_and_how_it_was_made(results, tmp_path):
+    out = tmp_path / "board"
+    assert main(["--results", str(results), "--leaderboard", "leaderboard", "benchmark.n_samples=10",
+                 "--out", str(out), "--resamples", "200"]) == 0
+    readme = (out / "README.md").read_text()
+    assert "--leaderboard leaderboard benchmark.n_samples=10" in readme and "run on cpu" in readme
+    assert "| defensivekv | none | 256 | 90.0 [" in readme
+    assert "| snapkv | perturbation | 256 | 65.0 [" in readme and "| +25.0 [" in readme
+    assert readme.index("| full |") < readme.index("| defensivekv |") < readme.index("| snapkv | perturbation")
+    assert (out / "smollm2_2048.png").read_bytes()[:8] == PNG
+    assert (out / "leaderboard.csv").exists()
