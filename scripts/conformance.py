@@ -38,16 +38,16 @@ CASES = {
     "keydiff": ("keydiff", ["selection=attention"]),
     "tova": ("tova", ["selection=attention"]),
     "adakv_knorm": ("adakv", ["selection=attention", "method.scorer=knorm", "method.window=0"]),
-    "criticalkv_knorm": ("knorm", ["selection=perturbation_released"]),
-    "criticalkv_tova": ("tova", ["selection=perturbation_released"]),
+    "criticalkv_knorm": ("knorm", ["preset=criticalkv"]),
+    "criticalkv_tova": ("tova", ["preset=criticalkv"]),
     "criticaladakv_keydiff": ("adakv", ["selection=perturbation_released", "method.scorer=keydiff",
                                         "method.window=0"]),
     "expected_attention": ("expected_attention", ["selection=attention"]),
     "observed_attention": ("observed_attention", ["selection=attention"]),
     "adakv_expected_attention": ("adakv", ["selection=attention", "method.scorer=expected_attention",
                                            "method.window=0"]),
-    "criticalkv_expected_attention": ("expected_attention", ["selection=perturbation_released"]),
-    "criticalkv_observed_attention": ("observed_attention", ["selection=perturbation_released"]),
+    "criticalkv_expected_attention": ("expected_attention", ["preset=criticalkv"]),
+    "criticalkv_observed_attention": ("observed_attention", ["preset=criticalkv"]),
 }
 SCORERS = ("knorm", "keydiff", "tova", "expected_attention", "observed_attention")
 EAGER = {"observed_attention", "criticalkv_observed_attention"}   # kvpress reads an eager prefill's weights

@@ -295,6 +295,19 @@ def test_pooled_decoding_over_scorers_gives_batch_one_tokens():
         assert compared == 4 * len(cells) and differ == 0
 
 
+@pytest.mark.parametrize("name", SCORED)
+def test_the_criticalkv_preset_over_a_scorer_is_criticalkvpress_over_its_press(name):
+    """``preset=criticalkv method=<scorer>``: kvpress's conventions and the released selection around the scorer's
+    own defaults (its press has no window, kernel or pooling), the config ``make conformance`` holds to
+    CriticalKVPress(press); over SnapKV the preset sets SnapKVPress's window 64, kernel 5 and average pooling."""
+    preset = compose([f"method={name}", "preset=criticalkv", "budget=256"])
+    validate(preset)
+    assert preset == compose([f"method={name}", "profile=kvpress", "selection=perturbation_released", "budget=256"])
+    snapkv = compose(["method=snapkv", "preset=criticalkv"]).method
+    assert (snapkv.window, snapkv.kernel, snapkv.pooling) == (64, 5, "avg")
+    assert compose(["method=snapkv", "preset=criticalkv", "method.window=32"]).method.window == 32
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["method=tova", "method.window=4"], "method.scorer=tova reads the newest 1 entry"),
     (["method=knorm", "profile.gqa=per_query_head"], "scores per KV head"),
