@@ -9,7 +9,8 @@ kvpress on transformers' DynamicCache with the evicted entries removed (score-ba
 presses), its question and answer fed as its pipeline's ``generate_answer`` feeds them (positions continue from
 the uncompressed context). On the embedded model, RULER niah_single_1/2/3 at 2,048 tokens (the first samples of
 each), with the question compressed with the context (budgets 256, 512) and fed after compression (1,024,
-1,536), as the reference sweep of results/embedded/ruler. Writes results/conformance/answers.csv and answers.md;
+1,536), as the reference sweep of results/embedded/ruler; SnapKV, AdaKV, CriticalKV, CriticalAdaKV, Expected
+Attention and observed attention (``--cases``: any of scripts/conformance.py's). Writes results/conformance/answers.csv and answers.md;
 exits 1 if any answer differs.
 """
 from __future__ import annotations
@@ -18,11 +19,11 @@ import json
 import sys
 from pathlib import Path
 
-from conformance import (CASES, FLOOR, PRESSES, ROOT, KvpressWorker, arguments, embedded_model, kvpress_press,
-                         write_csv)
+from conformance import (CASES, EAGER, FLOOR, PRESSES, ROOT, SCORED, KvpressWorker, arguments, embedded_model,
+                         kvpress_press, write_csv)
 
 WINDOW, KERNEL = 32, 7
-ANSWER_CASES = ["snapkv", "adakv", "criticalkv", "criticaladakv"]
+ANSWER_CASES = ["snapkv", "adakv", "criticalkv", "criticaladakv", "expected_attention", "observed_attention"]
 SETTINGS = {"question inside": (True, [256, 512]), "question after": (False, [1024, 1536])}
 
 
@@ -31,10 +32,14 @@ SETTINGS = {"question inside": (True, [256, 512]), "question after": (False, [10
 def kvpress_worker(model_dir: str) -> None:
     """Reads requests (JSON lines), answers each with kvpress's greedy answer tokens."""
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, DynamicCache
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    transformers.utils.logging.disable_progress_bar()
+    models = {kind: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=kind).eval()
+              for kind in ("sdpa", "eager")}   # eager where the press reads attention weights
     for line in sys.stdin:
         request = json.loads(line)
+        model = models["eager" if request["case"] in EAGER else "sdpa"]
         context = torch.tensor([request["context"]])
         press = kvpress_press(request["case"], request["ratio"], request["window"], request["kernel"])
         cache = DynamicCache()
@@ -87,9 +92,9 @@ def compare(args) -> list[dict]:
                        f"benchmark.query_aware={str(query_aware).lower()}"])
         benchmark = checked_benchmark(cfg)
         methods = {}
-        for case in ANSWER_CASES:
+        for case in args.cases:
             method_name, overrides = CASES[case]
-            knobs = [f"method.window={WINDOW}", f"method.kernel={KERNEL}", "method.pooling=avg"]
+            knobs = [] if case in SCORED else [f"method.window={WINDOW}", f"method.kernel={KERNEL}", "method.pooling=avg"]
             knobs += [f"method.floor={FLOOR}"] if method_name == "adakv" else []
             for budget in budgets:
                 methods[case, budget] = build_method(compose([f"method={method_name}", f"budget={budget}",
@@ -126,21 +131,23 @@ def write(rows: list[dict], out: Path) -> None:
              "| setting | pcs | kvpress press | budget | answers | identical | RULER score pcs / kvpress |",
              "|---|---|---|---:|---:|---:|---|"]
     for setting, (_, budgets) in SETTINGS.items():
-        for case in ANSWER_CASES:
+        for case in [c for c in CASES if any(r["pcs"] == c for r in rows)]:
             for budget in budgets:
                 mine = [r for r in rows if (r["setting"], r["pcs"], r["budget"]) == (setting, case, budget)]
                 mean = lambda key: sum(r[key] for r in mine) / len(mine)
                 lines.append(f"| {setting} | {case} | {PRESSES[case]} | {budget} | {len(mine)} | "
                              f"{sum(r['identical'] for r in mine)} | {mean('score_pcs'):.1f} / {mean('score_kvpress'):.1f} |")
     lines += ["", "Samples: " + ", ".join(sorted({r["sample"] for r in rows})) + f". Window {WINDOW}, kernel {KERNEL},",
-              "average pooling; kvpress's compression ratio is 1 - budget / context tokens (0, nothing evicted, where",
+              "average pooling (the scorers: their presses' own); kvpress's compression ratio is 1 - budget / context tokens (0, nothing evicted, where",
               "the budget is the whole context: at 1,536 with the question after, the essay tasks' ~1,320 tokens).", ""]
     (out / "answers.md").write_text("\n".join(lines))
 
 
 def main() -> int:
-    args = arguments(__doc__, kvpress_worker, lambda parser: parser.add_argument(
-        "--samples", type=int, default=2, help="the first samples of each task"))
+    def add_arguments(parser):
+        parser.add_argument("--samples", type=int, default=2, help="the first samples of each task")
+        parser.add_argument("--cases", nargs="+", choices=list(CASES), default=ANSWER_CASES)
+    args = arguments(__doc__, kvpress_worker, add_arguments)
     if args is None:
         return 0
     rows = compare(args)
