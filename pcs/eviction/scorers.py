@@ -115,18 +115,28 @@ def observed_attention(layer):
     """Each entry's attention over the prefill, summed over the queries that see it and divided by their number,
     averaged over the KV head's query heads (kvpress 0.5.5 ``presses/observed_attention_press.py`` lines 45-49: H2O's
     accumulated attention). kvpress reads the weights of an eager prefill; here the prompt's queries attend again,
-    a block of queries at a time, so memory stays that of a block."""
+    one query head at a time as the eager attention computes each (``q k^T x d^-1/2``, the causal mask, a float32
+    softmax, the sum over queries in one reduction: the same bits on a model whose scale is ``d^-1/2``), or, where
+    a head's n x n weights would pass 256 MiB, a block of queries at a time (sums rounded otherwise)."""
     import torch
     from .scores import rows_per_chunk, window_attention
     queries, keys = prompt_of(layer).rotated, layer.keys
-    n_q, n = queries.shape[0], keys.shape[1]
-    block = rows_per_chunk(256 << 20, n_q * n, torch.float32)
+    n_q, n, d = queries.shape
+    group = n_q // keys.shape[0]
     received = torch.zeros(n_q, n, dtype=torch.float32, device=keys.device)
-    for start in range(0, n, block):
-        end = min(start + block, n)     # queries start..end-1 see the keys before end, causally inside the block
-        received[:, :end] += window_attention(queries[:, start:end], keys[:, :end]).sum(dim=1)
+    block = rows_per_chunk(256 << 20, n, torch.float32)
+    if block >= n:
+        future = torch.ones(n, n, dtype=torch.bool, device=keys.device).triu(1)
+        for h in range(n_q):
+            logits = torch.matmul(queries[h].float(), keys[h // group].float().T) * d ** -0.5
+            received[h] = logits.masked_fill_(future, float("-inf")).softmax(dim=-1, dtype=torch.float32).sum(dim=0)
+    else:
+        block = rows_per_chunk(256 << 20, n_q * n, torch.float32)
+        for start in range(0, n, block):
+            end = min(start + block, n)     # queries start..end-1 see the keys before end, causally inside the block
+            received[:, :end] += window_attention(queries[:, start:end], keys[:, :end]).sum(dim=1)
     received /= torch.arange(n, 0, -1, device=keys.device, dtype=torch.float32)
-    return received.view(keys.shape[0], -1, n).mean(dim=1)
+    return received.view(keys.shape[0], group, n).mean(dim=1)
 
 
 SCORE = {"knorm": knorm, "keydiff": keydiff, "tova": tova, "expected_attention": expected_attention,
