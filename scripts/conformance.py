@@ -297,6 +297,24 @@ def format_row(r: dict) -> str:
             f"kept {r['kept_pcs']} / {r['kept_kvpress']}")
 
 
+def earlier_rows(path: Path, cases: list[str]) -> list[dict]:
+    """The rows of a conformance.csv whose case is not among ``cases`` (``--merge``), numbers read as numbers."""
+    if not path.exists():
+        return []
+    def number(value: str):
+        if value in ("", "None"):
+            return None
+        try:
+            return int(value)
+        except ValueError:
+            try:
+                return float(value)
+            except ValueError:
+                return value
+    with path.open(newline="") as f:
+        return [{k: number(v) for k, v in row.items()} for row in csv.DictReader(f) if row["pcs"] not in cases]
+
+
 def write_csv(rows: list[dict], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
@@ -305,7 +323,7 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer.writerows(rows)
 
 
-def write(rows: list[dict], out: Path) -> None:
+def write(rows: list[dict], out: Path, merged: bool = False) -> None:
     write_csv(rows, out / "conformance.csv")
     lines = ["# Conformance: pcs (profile=kvpress) against NVIDIA kvpress 0.5.5", "",
              "Share of (layer, KV head) pairs whose kept sets are identical, on the embedded SmolLM2 (30 layers x 3 KV",
@@ -332,7 +350,8 @@ def write(rows: list[dict], out: Path) -> None:
                           if any(r["setting"] == k for r in rows))
               + " (scorers and StreamingLLM have no window attention: one setting).", "",
               f"Made on a CPU, {datetime.date.today().isoformat()}, by `.venv/bin/python scripts/conformance.py "
-              + " ".join(sys.argv[1:]).replace(str(ROOT) + "/", "") + "`.", ""]
+              + " ".join(sys.argv[1:]).replace(str(ROOT) + "/", "") + "`"
+              + (": the cases it names; the others' rows are the CSV's before it" if merged else "") + ".", ""]
     (out / "README.md").write_text("\n".join(lines))
 
 
@@ -359,11 +378,15 @@ def main() -> int:
         parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
         parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 640])
         parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+        parser.add_argument("--merge", action="store_true", help="keep the other cases' rows of --out's CSV (after "
+                            "a change to some cases, rerun only those)")
     args = arguments(__doc__, kvpress_worker, add_arguments)
     if args is None:
         return 0
     rows = compare(args)
-    write(rows, args.out)
+    if args.merge:
+        rows = earlier_rows(args.out / "conformance.csv", args.cases) + rows
+    write(rows, args.out, args.merge)
     below = [r for r in rows if r["identical"] < r["pairs"]]
     print(f"[pcs] conformance: {len(rows) - len(below)} of {len(rows)} cells 100 % identical; {args.out / 'README.md'}")
     blind = [case for case in CONTROLS if any(r["pcs"] == case for r in rows)
