@@ -258,6 +258,7 @@ def pcs_kept(model, ids: list[int], case: str, budget: int, window: int, kernel:
 
 def compare(args) -> list[dict]:
     from pcs.eviction.conventions import kvpress_ratio
+    from pcs.models import ATTN_IMPLEMENTATION
     model_cfg, model, tokenizer = embedded_model()
     worker = KvpressWorker(args.kvpress_python, __file__, model_cfg)
     rows = []
@@ -269,6 +270,8 @@ def compare(args) -> list[dict]:
                         continue   # no window attention or kernel: once is enough
                     theirs = worker.ask({"ids": ids, "case": case, "ratio": kvpress_ratio(budget, len(ids)),
                                          "window": window, "kernel": kernel})["kept"]
+                    # The prefill as kvpress's (an eager one's keys differ from SDPA's in the last bits).
+                    model.set_attn_implementation("eager" if case in EAGER else ATTN_IMPLEMENTATION)
                     ours = pcs_kept(model, ids, case, budget, window, kernel)
                     rows.append(summarize(prompt, len(ids), setting, budget, case, ours, theirs))
                     if case in CONTROLS:
