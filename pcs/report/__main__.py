@@ -25,6 +25,7 @@ from pathlib import Path
 
 
 from ..identity import RunIdentity
+from ..paths import read_jsonl
 from ..run_folder import saved_config
 from ..plots.ablation import ablation_figure
 from ..plots.labels import setting_knobs
@@ -278,6 +279,13 @@ def build_leaderboard(results: Path, experiments: list[str], bench: list[Path], 
              f"interval], * where it excludes zero (each interval on its own; {resamples} resamples, seed {seed}). "
              "Methods without a selection (their own rule) show `none`. Runs in progress enter with the samples "
              "every run of the experiment has answered.", ""]
+    for path in bench:
+        rows = read_jsonl(path)
+        lines += [f"Bench `{path.name}`: `python -m pcs.bench --json` on {rows[0].get('device_name', '?')}, "
+                  f"{', '.join(sorted({r['model'] for r in rows}))} at "
+                  f"{', '.join(str(c) for c in sorted({r['context'] for r in rows}))} tokens, medians of "
+                  f"{rows[0].get('repeats', '?')} rounds, {rows[0].get('decode_tokens', '?')} tokens decoded per "
+                  "round.", ""]
     for (model, length), block in board.groupby(["model", "length"], sort=True):
         lines += leaderboard_markdown(block)
         figure = leaderboard_figure(block, out / f"{model}_{length}.png", f"{model}, {length} tokens")
