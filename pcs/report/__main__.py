@@ -291,9 +291,10 @@ def build_leaderboard(results: Path, experiments: list[str], bench: list[Path], 
         figure = leaderboard_figure(block, out / f"{model}_{length}.png", f"{model}, {length} tokens")
         if figure is not None:
             lines += [f"![{model} {length}]({figure.name})", ""]
-    lines += ["What this shows: how these methods rank on these tasks for these small models (the embedded "
-              "SmolLM2-135M and Gemma 3 270M). What it does not: how they rank on 8B models or on other tasks; "
-              "that needs the same experiment run on a cluster with another `model=`.", ""]
+    models = ", ".join(sorted(board["model"].unique()))
+    lines += [f"What this shows: how these methods rank on these tasks, lengths and budgets for {models}. What it "
+              "does not: how they rank on larger models (8B and up) or on other tasks; that needs the same "
+              "experiment run on a cluster with another `model=`.", ""]
     (out / "README.md").write_text("\n".join(lines))
     return out / "README.md"
 
