@@ -144,8 +144,14 @@ def positive_int(value) -> bool:
 
 def check_method_knobs(cfg: DictConfig) -> None:
     """The method's node holds only its own knobs (a preset or an experiment may set knobs another method has),
-    and a budget that reads an observation window or sinks can hold them: torch-free, before anything heavy."""
+    a preset wraps the method (``_preset_`` is left set where ``conf/preset_press/`` has no file for it), and a
+    budget that reads an observation window or sinks can hold them: torch-free, before anything heavy."""
     name = cfg.method.name
+    preset = cfg.method.get("_preset_")
+    if preset:
+        takes = sorted(p.stem.removeprefix(f"{preset}_") for p in (CONF_DIR / "preset_press").glob(f"{preset}_*.yaml"))
+        raise ConfigError(f"preset={preset} wraps one of kvpress's presses, and method={name} has none; methods it "
+                          f"takes: {', '.join(takes)}")
     own = group_file("method", name)
     foreign = sorted(k for k in cfg.method if k not in own and not is_declaration(k))
     if foreign:
