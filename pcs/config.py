@@ -171,6 +171,7 @@ def check_scorer(cfg: DictConfig) -> None:
     if name is None:
         return
     from .eviction.scorers import SCORERS      # torch-free: what each scorer reads
+    one_of("method.scorer", name, list(SCORERS))
     scorer, window = SCORERS[name], cfg.method.get("window")
     if name == "window_attention" and not (isinstance(window, int) and window >= 1):
         raise ConfigError(f"method={cfg.method.name} ranks the prefix by the observation window's attention: "

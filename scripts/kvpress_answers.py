@@ -68,13 +68,24 @@ def kvpress_worker(model_dir: str) -> None:
 # ---- pcs side ----
 
 def pcs_answers(model, prompt, methods: dict, sample, stops: set[int]) -> dict[str, list[int]]:
-    """Each method's greedy answer on one shared prefill, as a run generates it."""
+    """Each method's greedy answer, as a run generates it: one shared prefill for the methods kvpress runs on SDPA,
+    another, eager, for those whose press reads attention weights (an eager prefill's keys differ in the last
+    bits, as kvpress's worker sees them)."""
     import torch
     from pcs.generate import greedy_generate_each
+    from pcs.models import ATTN_IMPLEMENTATION
     question = None if prompt.question is None else torch.tensor([prompt.question])
-    generations = greedy_generate_each(model, torch.tensor([prompt.context]), list(methods.values()),
-                                       sample.max_new_tokens, stops, question_ids=question)
-    return {key: g.token_ids for key, g in zip(methods, generations)}
+    answers = {}
+    for kind in (ATTN_IMPLEMENTATION, "eager"):
+        mine = {key: m for key, m in methods.items() if (key[0] in EAGER) == (kind == "eager")}
+        if not mine:
+            continue
+        model.set_attn_implementation(kind)
+        generations = greedy_generate_each(model, torch.tensor([prompt.context]), list(mine.values()),
+                                           sample.max_new_tokens, stops, question_ids=question)
+        answers.update({key: g.token_ids for key, g in zip(mine, generations)})
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return answers
 
 
 def compare(args) -> list[dict]:

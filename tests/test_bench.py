@@ -13,12 +13,14 @@ FIELDS = {"model", "method", "selection", "budget", "context", "prefill_s", "dec
 
 def test_bench_rows_are_well_formed(tiny_model_dir, capsys, tmp_path):
     main(["--profile", str(tmp_path), "--model-path", str(tiny_model_dir), "--contexts", "300", "--methods", "snapkv", "adakv",
-          "--selections", "attention", "perturbation", "--budgets", "64", "--repeats", "1",
+          "knorm", "--selections", "attention", "perturbation", "--budgets", "64", "--repeats", "1",
           "--decode-tokens", "4", "--json"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [(r["method"], r["selection"]) for r in rows] == [
         ("full", "none"), ("snapkv", "attention"), ("snapkv", "perturbation"), ("adakv", "attention"),
-        ("adakv", "perturbation")]
+        ("adakv", "perturbation"), ("knorm", "attention"), ("knorm", "perturbation")]
+    # On a CPU stage 2 is bounded, but over KNorm's negative scores it scores every entry, and its row says so.
+    assert [r["stage2_search"] for r in rows if r["selection"] == "perturbation"] == ["bounded", "bounded", "exhaustive"]
     for r in rows:
         assert FIELDS <= set(r) and r["context"] == 300 and r["prefill_s"] > 0 and r["decode_ms_per_token"] > 0
         assert r["kv_bytes_full"] == rows[0]["kv_bytes_full"]

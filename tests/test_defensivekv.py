@@ -197,11 +197,17 @@ def test_defensivekv_keeps_the_entries_of_the_authors_code_on_the_embedded_model
 
 
 def test_defensivekv_takes_no_selection_and_a_budget_that_holds_its_window():
+    """A selection does not enter its run (one folder whatever selection= says), and a window it cannot read or
+    a budget that cannot hold it is refused before any model loads."""
+    from pcs.identity import RunIdentity
     a = compose(["method=defensivekv", "budget=128", "selection=attention"])
     b = compose(["method=defensivekv", "budget=128", "selection=perturbation"])
-    assert build_method(a) == build_method(b)
+    assert RunIdentity(a).folder == RunIdentity(b).folder
     with pytest.raises(ConfigError, match="observation window"):
         validate(compose(["method=defensivekv", "budget=16"]))
+    for name in ("defensivekv", "layer_defensivekv", "laprox"):
+        with pytest.raises(ConfigError, match="at least 1"):
+            build_method(compose([f"method={name}", "budget=128", "method.window=0"]))
     with pytest.raises(ConfigError, match="chooses from a prefill only"):
         validate(compose(["method=layer_defensivekv", "budget=128", "compress.trigger=300"]))
 

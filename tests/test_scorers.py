@@ -124,10 +124,12 @@ def test_expected_attention_is_the_expected_attention_of_a_gaussian_future_query
     torch.testing.assert_close(scorers.expected_attention(layer).double(), want, rtol=2e-5, atol=1e-6)
 
 
-def test_observed_attention_is_each_entrys_mean_attention_over_the_queries_that_see_it():
+@pytest.mark.parametrize("head_bytes", [scorers.OBSERVED_HEAD_BYTES, 40 * 4 * 6])
+def test_observed_attention_is_each_entrys_mean_attention_over_the_queries_that_see_it(head_bytes):
     """kvpress 0.5.5 presses/observed_attention_press.py lines 45-49: the prefill's attention weights summed over
     the queries, divided by the number of queries that see each entry (n - j), the group's mean. Brute force over
-    the causal attention of every prompt query, in float64."""
+    the causal attention of every prompt query, in float64; a head's weights at once, and in blocks of queries
+    (a cap of 6 rows of 40: blocks of one query, as the longest prompts are computed)."""
     layer = prompt_layer(7)
     q, keys = layer.prompt.rotated.double(), layer.keys.double()
     h_q, n, d = q.shape
@@ -138,7 +140,7 @@ def test_observed_attention_is_each_entrys_mean_attention_over_the_queries_that_
         for i in range(n):
             weights = torch.softmax(keys[h // group, :i + 1] @ q[h, i] / math.sqrt(d), dim=0)
             want[h // group, :i + 1] += weights / torch.arange(n, n - i - 1, -1, dtype=torch.float64) / group
-    torch.testing.assert_close(scorers.observed_attention(layer).double(), want, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(scorers.observed_attention(layer, head_bytes).double(), want, rtol=1e-5, atol=1e-7)
 
 
 class Recording:
@@ -203,10 +205,12 @@ def test_expected_attention_in_a_prefill_reads_the_queries_before_rotary_and_the
             layer_type = getattr(model.config, "layer_types", [None] * 99)[layer_idx]
             if layer_type is not None:
                 assert layer_type == "full_attention"
-            far = prompt.rotation(torch.arange(1000, 1003))[0]
-            rope = model.model.rotary_emb
-            args = (torch.arange(1000, 1003)[None],) + ((layer_type,) if layer_type else ())
-            torch.testing.assert_close(far, rope(q, *args)[0][0])
+            # Far past the prompt, the angles grow as the layer's at position 1 (checked above) times the position.
+            cos1, sin1 = prompt.rotation(torch.arange(1, 2))
+            angles = torch.arange(1000, 1003).double()[:, None] * torch.atan2(sin1[0].double(), cos1[0].double())
+            far_cos, far_sin = prompt.rotation(torch.arange(1000, 1003))
+            torch.testing.assert_close(far_cos.double(), angles.cos(), rtol=0, atol=1e-3)
+            torch.testing.assert_close(far_sin.double(), angles.sin(), rtol=0, atol=1e-3)
     assert prompts
 
 
@@ -245,14 +249,26 @@ def repeated(layer):
     return layer
 
 
-@pytest.mark.parametrize("ties", [False, True])
-@pytest.mark.parametrize("name", SCORED)
+def tie_at_cut(scores: torch.Tensor, k: int) -> bool:
+    """Whether the k-th and (k+1)-th largest of the flattened scores are equal: which copies stay is then up to the
+    order in which a top-k meets them."""
+    top = scores.flatten().topk(k + 1).values
+    return bool(top[k - 1] == top[k])
+
+
+# With a repeated token, budgets at which a tie falls at the cut (observed attention has none: each copy is seen
+# by a different number of queries).
+TIED_CRITICAL = {"knorm": 20, "keydiff": 32, "tova": 24, "expected_attention": 12}
+TIED_ADAKV = {"knorm": 12, "keydiff": 30, "expected_attention": 12}
+
+
+@pytest.mark.parametrize("name,ties", [(name, False) for name in SCORED] + [(name, True) for name in TIED_CRITICAL])
 def test_criticalkv_over_a_scorer_keeps_what_criticalkvpress_keeps(name, ties):
     """kvpress 0.5.5 presses/criticalkv_press.py lines 79-97 with ScorerPress.compress: the top
     ``max(1, int(budget x 0.5))`` by the press's scores, then the rest of the budget by
     ``(score + 1e-4) x vwl1norm``; with a repeated token (ties at the cut) its one torch.topk over the row
     decides which copies stay, and pcs's does the same."""
-    layer, budget = (repeated(prompt_layer(0)) if ties else prompt_layer(4)), 20
+    layer, budget = (repeated(prompt_layer(0)), TIED_CRITICAL[name]) if ties else (prompt_layer(4), 20)
     kept = method(f"method={name}", f"budget={budget}", "selection=perturbation_released").keep(layer)
     scores = getattr(scorers, name)(layer).clone()
     first = scores.topk(max(1, int(budget * 0.5)), dim=-1).indices
@@ -260,15 +276,17 @@ def test_criticalkv_over_a_scorer_keeps_what_criticalkvpress_keeps(name, ties):
     scores.scatter_(-1, first, torch.finfo(scores.dtype).max)
     for head, got in zip(scores, kept):
         assert got.tolist() == sorted(head.topk(budget).indices.tolist())
+    assert any(tie_at_cut(head, budget) for head in scores) == ties
 
 
-@pytest.mark.parametrize("ties", [False, True])
-@pytest.mark.parametrize("name", ["knorm", "keydiff", "expected_attention", "observed_attention"])
+@pytest.mark.parametrize("name,ties", [(name, False) for name in ["knorm", "keydiff", "expected_attention",
+                                                                   "observed_attention"]]
+                         + [(name, True) for name in TIED_ADAKV])
 def test_adakv_over_a_scorer_keeps_what_adakvpress_keeps(name, ties):
     """kvpress 0.5.5 presses/adakv_press.py lines 54-81: the top ``max(1, int(budget x 0.2))`` of each head
     protected, the layer's lowest ``H_kv x (n - budget)`` entries pruned together (with a repeated token, its one
     bottom-k decides which copies go, and pcs's does the same)."""
-    layer, budget = prompt_layer(5, h_kv=4, h_q=8), 20
+    layer, budget = prompt_layer(5, h_kv=4, h_q=8), (TIED_ADAKV[name] if ties else 20)
     if ties:
         layer = repeated(layer)
     kept = method("method=adakv", f"method.scorer={name}", "method.window=0", f"budget={budget}").keep(layer)
@@ -276,6 +294,7 @@ def test_adakv_over_a_scorer_keeps_what_adakvpress_keeps(name, ties):
     h_kv, n = scores.shape
     top = scores.topk(max(1, int(budget * 0.2)), dim=-1).indices
     scores.scatter_(-1, top, torch.finfo(scores.dtype).max)
+    assert tie_at_cut(-scores, h_kv * (n - budget)) == ties
     pruned = (-scores).reshape(-1).topk(h_kv * (n - budget)).indices
     held = torch.ones(h_kv * n, dtype=torch.bool)
     held[pruned] = False
@@ -337,3 +356,11 @@ def test_the_refusal_takes_under_two_seconds_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert float(out[0]) < 2 and out[1] == "False", out
     assert time.time() - start < 20
+
+
+def test_a_share_budget_holds_expected_attentions_sinks():
+    """A share of a short prompt is never fewer entries than the 4 sinks Expected Attention always keeps (as a
+    window method's share is never fewer than its window)."""
+    assert build_method(compose(["method=expected_attention", "budget=0.01"])).for_prompt(100).budget == 4
+    assert build_method(compose(["method=knorm", "budget=0.01"])).for_prompt(100).budget == 1
+    assert build_method(compose(["method=tova", "budget=0.01"])).for_prompt(100).budget == 1

@@ -261,7 +261,7 @@ def run(args) -> list[dict]:
                    "decode_tokens": args.decode_tokens,
                    "compression_layers_behind": behind, "value_norm_kernel": kernel,
                    **({"value_norm_blocks": value_norm_kernel.configuration()} if kernel else {}),
-                   "stage2_search": search, **result,
+                   "stage2_search": "exhaustive" if method.exhaustive_stage2 else search, **result,
                    "decode_bound": (weights + result["kv_bytes_full"]) / (weights + result["kv_bytes"]),
                    "decode_speedup": base["decode_ms_per_token"] / result["decode_ms_per_token"]}
             rows.append(row)

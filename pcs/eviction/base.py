@@ -87,12 +87,16 @@ class Method:
     perturbation-constrained selection does; the perturbation analysis measures their attention mass
     (the paper's Assumption 1).
 
+    ``exhaustive_stage2``: a two-stage method whose second stage scores every entry whatever
+    ``engine.stage2.search`` says (its first stage's scores may be negative, which the bounded search excludes).
+
     ``evicts``: False for a method that keeps every entry (``keep`` returns None): decoding-time compression
     has nothing to do for it.
     """
     window: int = 0
     model_wide: bool = False
     two_stage: bool = False
+    exhaustive_stage2: bool = False
     evicts: bool = True
 
     def keep(self, layer: LayerState) -> Kept:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..config import check_room
+from ..config import ConfigError, check_room, positive_int
 from .base import LayerState, Method
 from .scores import window_attention
 
@@ -34,6 +34,9 @@ class DefensiveKV(Method):
     two_stage = True
 
     def __post_init__(self):
+        if not positive_int(self.window):
+            raise ConfigError(f"method.window={self.window!r}: DefensiveKV reads the window's queries; it must be at "
+                              f"least 1")
         check_room(self.budget, self.window)
 
     @property
@@ -81,8 +84,7 @@ class DefensiveKV(Method):
         return picks
 
     def keep(self, layer: LayerState):
-        """The layer's heads share ``H_kv x budget`` entries (also the model-wide variant's choice within one layer,
-        for decoding-time compression, where the other layers are not at hand)."""
+        """The layer's heads share ``H_kv x budget`` entries."""
         scored = self.scored(layer)
         if scored is None:
             return None
@@ -109,7 +111,9 @@ class DefensiveKV(Method):
 
 
 def value_output_l1(values: torch.Tensor, o_proj_weight: torch.Tensor) -> torch.Tensor:
-    """(H_kv, m) ``||v W^O_h||_1``, the mean over each KV head's query heads (lines 32-55)."""
+    """(H_kv, m) ``||v W^O_h||_1``, the mean over each KV head's query heads (lines 32-55), in the authors' order:
+    one product per query head (not ``scores.projected_value_norms``' tiled plan, whose sums may round otherwise
+    and move an entry at a near-tie against the transcription)."""
     n_kv, m, d = values.shape
     n_q = o_proj_weight.shape[1] // d
     weights = o_proj_weight.T.reshape(n_q, d, -1)

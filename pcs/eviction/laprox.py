@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import check_room
+from ..config import ConfigError, check_room, positive_int
 from .base import LayerState, Method, window_positions
 from .scores import group_mean, output_projection, pool_scores, quadratic_forms, window_attention
 from .conventions import PAPER
@@ -53,6 +53,9 @@ class LaProx(Method):
     sinks: int = 0
 
     def __post_init__(self):
+        if not positive_int(self.window):
+            raise ConfigError(f"method.window={self.window!r}: LaProx scores by the window's attention; it must be at "
+                              f"least 1")
         check_room(self.budget, self.window, self.sinks)
 
     @property

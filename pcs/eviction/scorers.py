@@ -11,6 +11,7 @@ loads.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -21,23 +22,19 @@ class Scorer:
     first entries its press always keeps (the budget must hold them). A two-stage selection over a scorer ranks its
     second stage by the scorer's score times ``||v W^O||``, as kvpress's CriticalKVPress does over any press (over
     a negative score a larger norm ranks lower, as there); such a stage is searched exhaustively, since the
-    bounded search assumes scores of at least zero."""
+    bounded search assumes scores of at least zero. ``score``: (layer) -> (H_kv, n) scores (None for the window's
+    pooled attention, which the window methods compute themselves)."""
     window: int | None
     signed: bool
     prompt: bool = False
     sinks: int = 0
+    score: Callable | None = None
 
 
 EXPECTED_SINKS, EXPECTED_FUTURE = 4, 512     # ExpectedAttentionPress's n_sink and n_future_positions (lines 56-57)
-
-SCORERS = {
-    "window_attention": Scorer(window=None, signed=False),   # SnapKV's: the window's pooled attention
-    "knorm": Scorer(window=None, signed=True),
-    "keydiff": Scorer(window=None, signed=True),
-    "tova": Scorer(window=1, signed=False),
-    "expected_attention": Scorer(window=0, signed=False, prompt=True, sinks=EXPECTED_SINKS),
-    "observed_attention": Scorer(window=0, signed=False, prompt=True),
-}
+# Observed attention computes a head's n x n weights at once up to this size, as the eager attention kvpress reads
+# does (the same bits); above it, blocks of queries (sums rounded otherwise).
+OBSERVED_HEAD_BYTES = 256 << 20
 
 
 def knorm(layer):
@@ -111,27 +108,28 @@ def expected_attention(layer):
     return F.pad(scores, (sinks, 0), value=scores.max().item() + 1)
 
 
-def observed_attention(layer):
+def observed_attention(layer, head_bytes: int = OBSERVED_HEAD_BYTES):
     """Each entry's attention over the prefill, summed over the queries that see it and divided by their number,
     averaged over the KV head's query heads (kvpress 0.5.5 ``presses/observed_attention_press.py`` lines 45-49: H2O's
     accumulated attention). kvpress reads the weights of an eager prefill; here the prompt's queries attend again,
     one query head at a time as the eager attention computes each (``q k^T x d^-1/2``, the causal mask, a float32
-    softmax, the sum over queries in one reduction: the same bits on a model whose scale is ``d^-1/2``), or, where
-    a head's n x n weights would pass 256 MiB, a block of queries at a time (sums rounded otherwise)."""
+    softmax, the sum over queries in one reduction: the same bits on a float32 model whose scale is ``d^-1/2``), or,
+    where a head's n x n weights would pass ``head_bytes``, a block of queries at a time (sums rounded otherwise).
+    kvpress sums weights in the model's dtype; on a bf16 model these float32 sums may rank near-ties otherwise."""
     import torch
     from .scores import rows_per_chunk, window_attention
     queries, keys = prompt_of(layer).rotated, layer.keys
     n_q, n, d = queries.shape
     group = n_q // keys.shape[0]
     received = torch.zeros(n_q, n, dtype=torch.float32, device=keys.device)
-    block = rows_per_chunk(256 << 20, n, torch.float32)
+    block = rows_per_chunk(head_bytes, n, torch.float32)
     if block >= n:
         future = torch.ones(n, n, dtype=torch.bool, device=keys.device).triu(1)
         for h in range(n_q):
             logits = torch.matmul(queries[h].float(), keys[h // group].float().T) * d ** -0.5
             received[h] = logits.masked_fill_(future, float("-inf")).softmax(dim=-1, dtype=torch.float32).sum(dim=0)
     else:
-        block = rows_per_chunk(256 << 20, n_q * n, torch.float32)
+        block = rows_per_chunk(head_bytes, n_q * n, torch.float32)
         for start in range(0, n, block):
             end = min(start + block, n)     # queries start..end-1 see the keys before end, causally inside the block
             received[:, :end] += window_attention(queries[:, start:end], keys[:, :end]).sum(dim=1)
@@ -139,5 +137,11 @@ def observed_attention(layer):
     return received.view(keys.shape[0], group, n).mean(dim=1)
 
 
-SCORE = {"knorm": knorm, "keydiff": keydiff, "tova": tova, "expected_attention": expected_attention,
-         "observed_attention": observed_attention}
+SCORERS = {
+    "window_attention": Scorer(window=None, signed=False),   # SnapKV's: the window's pooled attention
+    "knorm": Scorer(window=None, signed=True, score=knorm),
+    "keydiff": Scorer(window=None, signed=True, score=keydiff),
+    "tova": Scorer(window=1, signed=False, score=tova),
+    "expected_attention": Scorer(window=0, signed=False, prompt=True, sinks=EXPECTED_SINKS, score=expected_attention),
+    "observed_attention": Scorer(window=0, signed=False, prompt=True, score=observed_attention),
+}

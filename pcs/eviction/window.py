@@ -1,7 +1,7 @@
 """SnapKV-style eviction, shared by SnapKV, PyramidKV and AdaKV: the observation window scores the
 prefix, an allocation gives each KV head its budget, the selection picks the entries (Alg. 2). ``scorer``
 replaces the window's pooled attention by another score of the prefix (``pcs.eviction.scorers``: kvpress's
-KNorm, KeyDiff, TOVA), under the same allocations and selections.
+KNorm, KeyDiff, TOVA, Expected Attention, observed attention), under the same allocations and selections.
 
 The selection rule (attention or perturbation) is orthogonal to the allocation (uniform, pyramid,
 adaptive): a method here only says how a layer's budget is split, in ``prefix_budgets``. The last
@@ -17,7 +17,7 @@ import torch
 from ..config import check_room
 from .base import LayerState, Method
 from .conventions import PAPER, Conventions
-from .scorers import SCORE, SCORERS
+from .scorers import SCORERS
 from .scores import group_mean, pool_scores, window_attention
 from .selection import AttentionSelection, PerturbationSelection, WindowScores
 
@@ -38,6 +38,14 @@ class WindowEviction(Method):
     @property
     def two_stage(self) -> bool:
         return self.selection.two_stage
+
+    @property
+    def exhaustive_stage2(self) -> bool:
+        return self.two_stage and SCORERS[self.scorer].signed     # the bounded search needs scores >= 0
+
+    @property
+    def sinks(self) -> int:
+        return SCORERS[self.scorer].sinks
 
     def prefix_budgets(self, layer: LayerState, stage1_scores: torch.Tensor) -> torch.Tensor:
         """(H_kv,) prefix entries each KV head keeps, given the (H_kv, m) stage-1 scores of its prefix."""
@@ -73,7 +81,7 @@ class WindowEviction(Method):
     def scored(self, layer: LayerState, m: int, shared) -> WindowScores:
         """The prefix ranked by the method's scorer: per KV head, the scores standing for all its query heads where a
         second stage weighs them (as kvpress's CriticalKVPress multiplies its press's scores)."""
-        score = SCORE[self.scorer]
+        score = SCORERS[self.scorer].score
         scores = (score(layer) if shared is None else shared.scorer(self.scorer, lambda: score(layer)))
         scores = scores[:, :m].float()                                                 # (H_kv, m)
         return WindowScores(scores, scores, scores, layer.values[:, :m], layer.o_proj_weight,
@@ -111,7 +119,7 @@ class WindowEviction(Method):
         if planned is None:
             return None
         # The window's positions follow the prefix's m = n - window: the selection appends them to every row.
-        if self.two_stage and SCORERS[self.scorer].signed:     # the bounded stage-2 search needs scores >= 0
+        if self.exhaustive_stage2:
             return self.selection.select(planned[1], planned[0], exhaustive=True, tail=self.window)
         return self.selection.select(planned[1], planned[0], tail=self.window)
 
