@@ -15,9 +15,10 @@ OVERRIDES = ["experiment=leaderboard", "benchmark.n_samples=10"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def write_answers(results, overrides, right, kept=0.25, extra=0):
+def write_answers(results, overrides, right, kept=0.25, extra=0, sharded=False):
     """A run whose answers to niah_single_1 and niah_single_2 (10 each) are right at the indices ``right[task]``;
-    ``extra`` more niah_single_1 answers past those (a run ahead of the others)."""
+    ``extra`` more niah_single_1 answers past those (a run ahead of the others); ``sharded``: a run of two shards
+    in progress (its answers in ``shards/<k>-of-2/``, none merged yet)."""
     cfg = compose_cfg(*OVERRIDES, *overrides)
     folder = results / RunIdentity(cfg).folder
     folder.mkdir(parents=True)
@@ -26,7 +27,11 @@ def write_answers(results, overrides, right, kept=0.25, extra=0):
              "score": 100.0 if i in answers else 0.0, "kv_cache_bytes": kept * 1000, "kv_cache_bytes_full": 1000}
             for task, answers in right.items() for i in range(10)]
     rows += [{**rows[0], "id": f"niah_single_1_2048_{10 + i}", "score": 0.0} for i in range(extra)]
-    (folder / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ([] if sharded else rows)))
+    for k in range(2 if sharded else 0):
+        (folder / "shards" / f"{k}-of-2").mkdir(parents=True)
+        (folder / "shards" / f"{k}-of-2" / "predictions.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows[k::2]))
     (folder / "metrics.json").write_text(json.dumps({"device": "cpu", "score": 0.0}))
     return folder
 
@@ -40,7 +45,7 @@ def results(tmp_path):
     write_answers(root, ["method=snapkv", "selection=perturbation", "budget=256"],
                   {"niah_single_1": range(5), "niah_single_2": range(2, 10)})
     write_answers(root, ["method=defensivekv", "budget=256"],
-                  {"niah_single_1": range(8), "niah_single_2": range(10)}, kept=0.2)
+                  {"niah_single_1": range(8), "niah_single_2": range(10)}, kept=0.2, sharded=True)
     return root
 
 

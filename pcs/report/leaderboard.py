@@ -12,6 +12,7 @@ import pandas as pd
 
 from ..identity import RunIdentity
 from ..paths import read_jsonl
+from ..run_folder import all_rows
 from .significance import RESAMPLES, SEED, paired_bootstrap, scores_frame, strata_of
 
 COLUMNS = ["model", "length", "method", "selection", "budget", "n", "score", "ci_low", "ci_high", "kv_kept",
@@ -32,8 +33,9 @@ def experiment_runs(experiment: str, results: Path, overrides: list[str] = ()) -
 
 
 def answered(run_dir: Path) -> pd.DataFrame:
-    """A run's answers so far (finished or not): ``scores_frame``'s columns and the share of entries kept."""
-    rows = read_jsonl(run_dir / "predictions.jsonl")
+    """A run's answers so far (finished or not, its shards' included): ``scores_frame``'s columns and the share of
+    entries kept."""
+    rows = all_rows(run_dir)
     frame = scores_frame(rows, run_dir)
     frame["kv_kept"] = [r["kv_cache_bytes"] / r["kv_cache_bytes_full"] for r in rows]
     return frame.drop_duplicates("id", keep="last").sort_values("id", kind="stable").reset_index(drop=True)
