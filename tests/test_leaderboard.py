@@ -27,7 +27,8 @@ def write_answers(results, overrides, right, kept=0.25, extra=0, sharded=False):
              "score": 100.0 if i in answers else 0.0, "kv_cache_bytes": kept * 1000, "kv_cache_bytes_full": 1000}
             for task, answers in right.items() for i in range(10)]
     rows += [{**rows[0], "id": f"niah_single_1_2048_{10 + i}", "score": 0.0} for i in range(extra)]
-    (folder / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ([] if sharded else rows)))
+    if not sharded:
+        (folder / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     for k in range(2 if sharded else 0):
         (folder / "shards" / f"{k}-of-2").mkdir(parents=True)
         (folder / "shards" / f"{k}-of-2" / "predictions.jsonl").write_text(

@@ -20,15 +20,15 @@ COLUMNS = ["model", "length", "method", "selection", "budget", "n", "score", "ci
 
 
 def experiment_runs(experiment: str, results: Path, overrides: list[str] = ()) -> dict[Path, RunIdentity]:
-    """The run folders an experiment's sweep (with ``overrides``) writes under ``results`` (each once), that exist
-    there."""
+    """The run folders an experiment's sweep (with ``overrides``) writes under ``results`` (each once) that hold an
+    answer there (their own or a shard's)."""
     from ..projection import sweep_configs
     runs = {}
     for cfg in sweep_configs([f"experiment={experiment}", *overrides]):
         identity = RunIdentity(cfg)
         path = results / identity.folder
-        if (path / "predictions.jsonl").exists():
-            runs.setdefault(path, identity)
+        if path not in runs and all_rows(path):
+            runs[path] = identity
     return runs
 
 
