@@ -67,17 +67,35 @@ def kvpress_worker(model_dir: str) -> None:
 
 # ---- pcs side ----
 
+EAGER_PREFILL = "pcs_eager_prefill"
+
+
+def register_eager_prefill() -> None:
+    """pcs's attention, except that a dense forward (the prefill) is transformers' eager attention: the prefill
+    kvpress's worker runs for a press that reads attention weights, whose keys differ from SDPA's in the last bits
+    (enough to move an entry at a near-tie); decoding still reads pcs's compressed cache."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+    from pcs.cache import HeldKeys, held_attention
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        forward = held_attention if isinstance(key, HeldKeys) else eager_attention_forward
+        return forward(module, query, key, value, attention_mask, **kwargs)
+    AttentionInterface.register(EAGER_PREFILL, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(EAGER_PREFILL, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+
+
 def pcs_answers(model, prompt, methods: dict, sample, stops: set[int]) -> dict[str, list[int]]:
     """Each method's greedy answer, as a run generates it: one shared prefill for the methods kvpress runs on SDPA,
-    another, eager, for those whose press reads attention weights (an eager prefill's keys differ in the last
-    bits, as kvpress's worker sees them)."""
+    another, eager, for those whose press reads attention weights (``register_eager_prefill``)."""
     import torch
     from pcs.generate import greedy_generate_each
     from pcs.models import ATTN_IMPLEMENTATION
     question = None if prompt.question is None else torch.tensor([prompt.question])
     answers = {}
-    for kind in (ATTN_IMPLEMENTATION, "eager"):
-        mine = {key: m for key, m in methods.items() if (key[0] in EAGER) == (kind == "eager")}
+    for kind in (ATTN_IMPLEMENTATION, EAGER_PREFILL):
+        mine = {key: m for key, m in methods.items() if (key[0] in EAGER) == (kind == EAGER_PREFILL)}
         if not mine:
             continue
         model.set_attn_implementation(kind)
@@ -95,6 +113,7 @@ def compare(args) -> list[dict]:
     from pcs.models import stop_token_ids
     from pcs.benchmarks.base import checked_benchmark
     model_cfg, model, tokenizer = embedded_model()
+    register_eager_prefill()
     worker = KvpressWorker(args.kvpress_python, __file__, model_cfg)
     rows = []
     for setting, (query_aware, budgets) in SETTINGS.items():
