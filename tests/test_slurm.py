@@ -51,9 +51,16 @@ def a_cluster():      # module-scoped: it skips before the module's reference ru
         pytest.skip(why)
 
 
-def overrides(results):
+# The cancelled shard's grid: 12 samples, 6 a job over two shards. A job caught at its first row still has about
+# 10 s of work, more than the window between scancel's SIGTERM (which submitit ignores) and SLURM's SIGKILL (KillWait
+# 2 s plus srun's wait for the step, about 6 s here). With fewer samples a job could finish inside it and end
+# completed, not cancelled.
+CANCEL_GRID = [*GRID[:2], "benchmark.depth_percents=[0,20,40,60,80,100]", *GRID[3:]]
+
+
+def overrides(results, grid=GRID):
     """The embedded model on 6 needle samples: each shard job takes some seconds, time to cancel or requeue it."""
-    return [f"results_dir={results}", "progress=false", *GRID]
+    return [f"results_dir={results}", "progress=false", *grid]
 
 
 def sweep_command(results, *extra, grid=None, methods=METHODS, shards=3) -> list[str]:
@@ -63,8 +70,8 @@ def sweep_command(results, *extra, grid=None, methods=METHODS, shards=3) -> list
             f"hydra.sweep.dir={results}/multirun", *extra]
 
 
-def cfgs(results):
-    return [compose_cfg(*overrides(results), f"method={m}") for m in METHODS]
+def cfgs(results, grid=GRID):
+    return [compose_cfg(*overrides(results, grid), f"method={m}") for m in METHODS]
 
 
 def rows(cfg) -> list[dict]:
@@ -80,6 +87,13 @@ def shard_rows(cfg) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(embedded_dir, tmp_path_factory):
     want = cfgs(tmp_path_factory.mktemp("local"))
+    run_cells(want)
+    return want
+
+
+@pytest.fixture(scope="module")
+def cancel_reference(embedded_dir, tmp_path_factory):
+    want = cfgs(tmp_path_factory.mktemp("local_cancel"), CANCEL_GRID)
     run_cells(want)
     return want
 
@@ -152,9 +166,10 @@ def queue_state(job: str) -> str:
     return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
 
 
-def test_a_cancelled_shard_fails_the_sweep_and_the_sweep_resubmitted_completes_it(tmp_path, reference):
+def test_a_cancelled_shard_fails_the_sweep_and_the_sweep_resubmitted_completes_it(tmp_path, cancel_reference):
     results = tmp_path / "cancelled"
-    sweep = subprocess.Popen(sweep_command(results), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    command = sweep_command(results, grid=overrides(results, CANCEL_GRID), shards=2)
+    sweep = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
     job, before = running_job(results)
     subprocess.run(["scancel", job], check=True)
@@ -164,13 +179,13 @@ def test_a_cancelled_shard_fails_the_sweep_and_the_sweep_resubmitted_completes_i
     assert f"stopped (SLURM job {job} is cancelled" in status(results)
     out, _ = sweep.communicate(timeout=600)        # the other shards finish; the sweep names the cancelled one
     assert sweep.returncode != 0 and f"SLURM job {job} ended without a result" in out, out[-3000:]
-    again = subprocess.run(sweep_command(results), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
-    for got, want in zip(cfgs(results), reference):
+    for got, want in zip(cfgs(results, CANCEL_GRID), cancel_reference):
         assert rows(got) == rows(want)
         ids = shard_rows(got)
         assert len(ids) == len(set(ids)) == len(rows(want))
-    assert status(results).count("  6/6  finished") == len(METHODS)
+    assert status(results).count("  12/12  finished") == len(METHODS)
 
 
 # One job of 60 samples, about 100 s of work here (30 s for 20), against a 2-minute limit whose signal comes 60 s
