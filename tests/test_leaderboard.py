@@ -15,17 +15,19 @@ OVERRIDES = ["experiment=leaderboard", "benchmark.n_samples=10"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def write_answers(results, overrides, right, kept=0.25, extra=0, sharded=False):
-    """A run whose answers to niah_single_1 and niah_single_2 (10 each) are right at the indices ``right[task]``;
+def write_answers(results, overrides, right, kept=0.25, extra=0, sharded=False, lengths=(2048,), base=OVERRIDES):
+    """A run whose answers to niah_single_1 and niah_single_2 (10 each per length) are right at the indices
+    ``right[task]`` (``right[(task, length)]`` where a length has its own);
     ``extra`` more niah_single_1 answers past those (a run ahead of the others); ``sharded``: a run of two shards
     in progress (its answers in ``shards/<k>-of-2/``, none merged yet)."""
-    cfg = compose_cfg(*OVERRIDES, *overrides)
+    cfg = compose_cfg(*base, *overrides)
     folder = results / RunIdentity(cfg).folder
     folder.mkdir(parents=True)
     (folder / "config.yaml").write_text(RunIdentity(cfg).saved_config)
-    rows = [{"id": f"{task}_2048_{i}", "task": task, "length": 2048, "stratum": f"{task}_2048",
-             "score": 100.0 if i in answers else 0.0, "kv_cache_bytes": kept * 1000, "kv_cache_bytes_full": 1000}
-            for task, answers in right.items() for i in range(10)]
+    rows = [{"id": f"{task}_{length}_{i}", "task": task, "length": length, "stratum": f"{task}_{length}",
+             "score": 100.0 if i in right.get((task, length), right.get(task, ())) else 0.0,
+             "kv_cache_bytes": kept * 1000, "kv_cache_bytes_full": 1000}
+            for length in lengths for task in ("niah_single_1", "niah_single_2") for i in range(10)]
     rows += [{**rows[0], "id": f"niah_single_1_2048_{10 + i}", "score": 0.0} for i in range(extra)]
     if not sharded:
         (folder / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -88,3 +90,34 @@ def test_the_command_writes_the_table_a_figure_and_how_it_was_made(results, tmp_
     assert readme.index("| full |") < readme.index("| defensivekv |") < readme.index("| snapkv | perturbation")
     assert (out / "smollm2_2048.png").read_bytes()[:8] == PNG
     assert (out / "leaderboard.csv").exists()
+
+
+def test_a_model_of_several_lengths_gets_a_table_of_them_together_first(tmp_path):
+    """Each (task, length) is a stratum: the lengths-together score is the mean of the four strata's means, its
+    selection effect paired within them; its table comes before each length's."""
+    root, base = tmp_path / "results", [*OVERRIDES, "benchmark.lengths=[2048,4096]"]
+    write_answers(root, ["method=full"], {"niah_single_1": range(10), "niah_single_2": range(10)}, kept=1.0,
+                  lengths=(2048, 4096), base=base)
+    write_answers(root, ["method=snapkv", "selection=attention", "budget=256"],
+                  {"niah_single_1": range(4), "niah_single_2": range(6), ("niah_single_2", 4096): range(2)},
+                  lengths=(2048, 4096), base=base)
+    write_answers(root, ["method=snapkv", "selection=perturbation", "budget=256"],
+                  {"niah_single_1": range(5), "niah_single_2": range(6), ("niah_single_1", 4096): range(1)},
+                  lengths=(2048, 4096), base=base)
+    board = leaderboard(["leaderboard", *base[1:]], root, resamples=500)
+    rows = board.set_index(["method", "selection", "length"])
+    assert sorted(set(board["length"])) == ["2048", "2048+4096", "4096"]
+    assert set(board.loc[board["length"] == "2048+4096", "n"]) == {40}
+    assert rows.loc[("snapkv", "attention", "2048"), "score"] == pytest.approx(50.0)       # (40 + 60) / 2
+    assert rows.loc[("snapkv", "attention", "4096"), "score"] == pytest.approx(30.0)       # (40 + 20) / 2
+    assert rows.loc[("snapkv", "attention", "2048+4096"), "score"] == pytest.approx(40.0)  # (40 + 60 + 40 + 20) / 4
+    # strata differences: +10, 0 at 2048; -30, +40 at 4096 -> +5 over the four
+    assert rows.loc[("snapkv", "perturbation", "2048+4096"), "effect"] == pytest.approx(5.0)
+    assert rows.loc[("snapkv", "perturbation", "4096"), "effect"] == pytest.approx(5.0)
+    out = tmp_path / "board"
+    assert main(["--results", str(root), "--leaderboard", "leaderboard", *base[1:], "--out", str(out),
+                 "--resamples", "200"]) == 0
+    readme = (out / "README.md").read_text()
+    assert readme.index("### smollm2, 2048 and 4096 tokens together (40 samples per run)") \
+        < readme.index("### smollm2, 2048 tokens (20 samples") < readme.index("### smollm2, 4096 tokens (20 samples")
+    assert (out / "smollm2_2048+4096.png").read_bytes()[:8] == PNG

@@ -1,6 +1,7 @@
-"""The leaderboard's figure, one per model and context length: each method's score with its 95 % interval, one panel
-per budget, attention-only and perturbation selection side by side (a method with a rule of its own: one marker),
-the full cache a dashed line with its interval shaded; methods in the order of their best score."""
+"""The leaderboard's figure, one per table (a model at one context length, or at its lengths together): each
+method's score with its 95 % interval, one panel per budget, attention-only and perturbation selection side by side
+(a method with a rule of its own: one marker), the full cache a dashed line with its interval shaded; methods in the
+order of their best score."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,7 +17,7 @@ OWN_RULE = ("s", "tab:gray", 0.0)
 
 
 def leaderboard_figure(block: pd.DataFrame, path: Path, title: str) -> Path | None:
-    """``block``: ``pcs.report.leaderboard`` rows of one model and length. None without a compressed run."""
+    """``block``: ``pcs.report.leaderboard`` rows of one table. None without a compressed run."""
     compressed = block[block["budget"].notna()]
     if compressed.empty:
         return None

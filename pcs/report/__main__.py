@@ -37,7 +37,8 @@ from ..plots.savings import savings_plot
 from .ablation import blocks as ablation_blocks, knob_effects, markdown as ablation_markdown
 from .collect import collect, paper_tables, run_folders, same_cells
 from . import needle_heads
-from .leaderboard import leaderboard, markdown as leaderboard_markdown
+from .leaderboard import leaderboard, markdown as leaderboard_markdown, tables as leaderboard_tables, \
+    title as leaderboard_title
 from .ruler import length_deltas, plain, score_intervals
 from .savings import savings
 from .significance import MIN_STRATUM, RESAMPLES, SEED, savings_intervals, significance
@@ -272,9 +273,11 @@ def build_leaderboard(results: Path, experiments: list[str], bench: list[Path], 
              f"Every method of experiment {', '.join(f'`{e}`' for e in experiments)}, run on "
              f"{', '.join(devices) or 'an unrecorded device'}; written {pd.Timestamp.now():%Y-%m-%d} by", "",
              f"    {command_line}", "",
-             "Score: the mean over tasks [95 % bootstrap interval, samples resampled within tasks]. KV kept: the "
+             "Score: the mean over tasks, and over lengths in a table of several [95 % bootstrap interval, samples "
+             "resampled within each task and length]. KV kept: the "
              "share of the full cache's entries. Prefill and decode: time relative to the full cache, from the bench "
-             "files given (random prompts at the nearest context; - where none was given). Last column: perturbation "
+             "files given (random prompts at the nearest context, a table of several lengths their mean; - where none "
+             "was given). Last column: perturbation "
              "minus attention-only selection for the same method and budget on the same samples [95 % paired "
              f"interval], * where it excludes zero (each interval on its own; {resamples} resamples, seed {seed}). "
              "Methods without a selection (their own rule) show `none`. Runs in progress enter with the samples "
@@ -286,9 +289,9 @@ def build_leaderboard(results: Path, experiments: list[str], bench: list[Path], 
                   f"{', '.join(str(c) for c in sorted({r['context'] for r in rows}))} tokens, medians of "
                   f"{rows[0].get('repeats', '?')} rounds, {rows[0].get('decode_tokens', '?')} tokens decoded per "
                   "round.", ""]
-    for (model, length), block in board.groupby(["model", "length"], sort=True):
+    for model, length, block in leaderboard_tables(board):
         lines += leaderboard_markdown(block)
-        figure = leaderboard_figure(block, out / f"{model}_{length}.png", f"{model}, {length} tokens")
+        figure = leaderboard_figure(block, out / f"{model}_{length}.png", leaderboard_title(model, length))
         if figure is not None:
             lines += [f"![{model} {length}]({figure.name})", ""]
     models = ", ".join(sorted(board["model"].unique()))

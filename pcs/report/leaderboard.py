@@ -1,5 +1,6 @@
 """A leaderboard: every run of an experiment's sweep (``experiment=leaderboard``) on the samples all of them have
-answered, per model and context length. Each row: the mean score over tasks with its 95 % bootstrap interval
+answered, per model and context length, and per model over all its lengths together where it has several (the
+mean over every task and length: the leaderboard's headline, its samples those of every length). Each row: the mean score over tasks with its 95 % bootstrap interval
 (samples resampled within tasks), the share of the full cache's entries kept, prefill and decode time relative to
 the full cache (from a ``pcs.bench`` file where one is given), and, where the method takes a selection, the paired
 difference of perturbation to attention-only selection at the same budget [95 % interval]."""
@@ -89,22 +90,28 @@ def leaderboard(experiments: list[str], results: Path, bench: list[Path] = (), r
         frames = {path: f[f["id"].isin(shared)].reset_index(drop=True) for path, f in frames.items()}
         for path, identity in runs.items():
             frame = frames[path]
-            for length in sorted(set(frame["length"])):
-                rows.append(row(identity, path, frame, int(length), frames, runs, costs, resamples, seed))
+            lengths = [int(length) for length in sorted(set(frame["length"]))]
+            for length in [[length] for length in lengths] + ([lengths] if len(lengths) > 1 else []):
+                rows.append(row(identity, path, frame, length, frames, runs, costs, resamples, seed))
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
-def row(identity, path, frame, length, frames, runs, costs, resamples, seed) -> dict:
+def lengths_label(lengths: list[int]) -> str:
+    """A row's ``length``: its one context length, or its lengths joined by ``+`` (``4096+8192``)."""
+    return "+".join(str(length) for length in lengths)
+
+
+def row(identity, path, frame, lengths: list[int], frames, runs, costs, resamples, seed) -> dict:
     cfg = identity.cfg
-    strata = strata_of(frame, length=length)
+    at_length = frame["length"].isin(lengths)
+    strata = strata_of(frame[at_length])       # each (task, length) a stratum: the mean weighs lengths alike
     score = paired_bootstrap(frame["score"].to_numpy(dtype=float), strata, resamples, seed)
-    at_length = frame["length"] == length
-    out = {"model": cfg.model.name, "length": length, "method": cfg.method.name,
+    out = {"model": cfg.model.name, "length": lengths_label(lengths), "method": cfg.method.name,
            "selection": identity.selection_label, "budget": cfg.budget if identity.reads_budget else None,
            "n": score.n, "score": score.delta, "ci_low": score.ci_low, "ci_high": score.ci_high,
            "kv_kept": float(frame.loc[at_length, "kv_kept"].mean()), "effect": np.nan, "effect_low": np.nan,
            "effect_high": np.nan, "run_dir": str(path)}
-    out["prefill_rel"], out["decode_rel"] = cost_of(costs, identity, length)
+    out["prefill_rel"], out["decode_rel"] = np.mean([cost_of(costs, identity, length) for length in lengths], axis=0)
     if identity.reads_selection and cfg.selection.name != "attention":
         base = next((p for p, i in runs.items() if i.cfg.method.name == cfg.method.name
                      and i.reads_selection and i.cfg.selection.name == "attention" and i.cfg.budget == cfg.budget
@@ -116,12 +123,28 @@ def row(identity, path, frame, length, frames, runs, costs, resamples, seed) -> 
     return out
 
 
+def tables(board: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
+    """(model, length, rows) per table, each model's lengths together first, then each length."""
+    order = board.assign(_parts=board["length"].str.count(r"\+"), _first=board["length"].str.split("+").str[0]
+                         .astype(int))
+    keys = order.sort_values(["model", "_parts", "_first"], ascending=[True, False, True])[["model", "length"]]
+    return [(model, length, board[(board["model"] == model) & (board["length"] == length)])
+            for model, length in keys.drop_duplicates().itertuples(index=False)]
+
+
+def title(model: str, length: str) -> str:
+    lengths = length.split("+")
+    if len(lengths) == 1:
+        return f"{model}, {length} tokens"
+    return f"{model}, {', '.join(lengths[:-1])} and {lengths[-1]} tokens together"
+
+
 def markdown(board: pd.DataFrame) -> list[str]:
-    """One table per model and length: the full cache first, then by budget and score."""
+    """One table per model and length (``tables``): the full cache first, then by budget and score."""
     lines = []
-    for (model, length), block in board.groupby(["model", "length"], sort=True):
+    for model, length, block in tables(board):
         n = int(block["n"].max())
-        lines += [f"### {model}, {length} tokens ({n} samples per run)", "",
+        lines += [f"### {title(model, length)} ({n} samples per run)", "",
                   "| method | selection | budget | score [95 %] | KV kept | prefill | decode | perturbation - attention "
                   "[95 %] |", "|---|---|---:|---|---:|---:|---:|---|"]
         order = block.assign(_full=block["budget"].notna(), _budget=block["budget"].fillna(0))
