@@ -26,6 +26,19 @@ def check(budget) -> None:
         raise ConfigError(f"budget={budget!r} must be a positive integer (entries per KV head)")
 
 
+def from_text(text: str) -> int | float:
+    """A budget as a command line writes it (``128``, ``0.25``), checked."""
+    try:
+        budget = int(text)
+    except ValueError:
+        try:
+            budget = float(text)
+        except ValueError:
+            raise ConfigError(f"budget {text!r} is neither an integer nor a fraction") from None
+    check(budget)
+    return budget
+
+
 def entries(budget, n_tokens: int, least: int = 0) -> int:
     """Entries per KV head for a prompt of ``n_tokens``: the budget itself, or its share of the prompt (at least
     ``least``: what the method keeps whatever it chooses, its window and sinks)."""

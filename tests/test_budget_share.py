@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from pcs.budget import entries, is_share
+from pcs.budget import entries, from_text, is_share
 from pcs.config import validate
 from pcs.errors import ConfigError
 from pcs.identity import RunIdentity
@@ -18,6 +18,17 @@ def test_a_share_is_that_part_of_each_prompt_and_never_less_than_the_window():
     assert [entries(0.25, n, 8) for n in (40, 200, 301, 1000)] == [10, 50, 75, 250]
     assert entries(0.25, 20, 8) == 8 and entries(128, 5000) == 128
     assert is_share(0.5) and not is_share(128)
+
+
+def test_a_command_line_budget_is_an_integer_or_a_share_and_pcs_bench_reads_both():
+    from pcs.bench.__main__ import parse
+    assert from_text("128") == 128 and isinstance(from_text("128"), int) and from_text("0.25") == 0.25
+    for bad in ("1.5", "0", "x"):
+        with pytest.raises(ConfigError):
+            from_text(bad)
+    assert parse(["--budgets", "0.25", "512"]).budgets == [0.25, 512]
+    with pytest.raises(SystemExit):
+        parse(["--budgets", "1.5"])
 
 
 @pytest.mark.parametrize("bad", ["budget=1.5", "budget=0.0", "budget=-2", "budget=0.25 compress.trigger=512"])

@@ -27,6 +27,15 @@ from pathlib import Path
 
 from ..cli import command
 
+def budget_arg(text: str) -> int | float:
+    from ..budget import from_text
+    from ..errors import ConfigError
+    try:
+        return from_text(text)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def parse(argv=None):
     parser = command("pcs.bench", __doc__)
     parser.add_argument("--model", default="smollm2", help="an option of pcs/conf/model, or llama31-shape (random weights)")
@@ -39,7 +48,8 @@ def parse(argv=None):
     parser.add_argument("--selections", nargs="+", default=["attention", "perturbation"],
                         help="options of pcs/conf/selection, for the methods that take one (default attention "
                              "perturbation)")
-    parser.add_argument("--budgets", type=int, nargs="+", default=[128], help="entries per KV head (default 128)")
+    parser.add_argument("--budgets", type=budget_arg, nargs="+", default=[128], help="entries per KV head, or a "
+                        "fraction in (0, 1): that share of each prompt, as budget= reads it (default 128)")
     parser.add_argument("--presets", nargs="+", default=[], help="also each method under these presets (e.g. "
                         "criticalkv), with attention selection and the preset's own")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds, each measuring every configuration "
