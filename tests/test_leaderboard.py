@@ -7,7 +7,7 @@ import pytest
 
 from pcs.identity import RunIdentity
 from pcs.report.__main__ import main
-from pcs.report.leaderboard import leaderboard
+from pcs.report.leaderboard import bench_rounds, leaderboard
 
 from conftest import compose_cfg
 
@@ -121,3 +121,13 @@ def test_a_model_of_several_lengths_gets_a_table_of_them_together_first(tmp_path
     assert readme.index("### smollm2, 2048 and 4096 tokens together (40 samples per run)") \
         < readme.index("### smollm2, 2048 tokens (20 samples") < readme.index("### smollm2, 4096 tokens (20 samples")
     assert (out / "smollm2_2048+4096.png").read_bytes()[:8] == PNG
+
+
+def test_a_bench_file_says_how_each_context_was_measured():
+    # One file: 8192 measured once, 4096 rerun on its own with two rounds; each clause names its contexts.
+    rows = ([{"context": 8192, "repeats": 1, "decode_tokens": 16}] * 3
+            + [{"context": 4096, "repeats": 2, "decode_tokens": 16}] * 3)
+    assert bench_rounds(rows) == ("4096 tokens, medians of 2 rounds, 16 tokens decoded per round; "
+                                  "8192 tokens, medians of 1 round, 16 tokens decoded per round")
+    same = [{"context": c, "repeats": 2, "decode_tokens": 16} for c in (2048, 4096)]
+    assert bench_rounds(same) == "2048, 4096 tokens, medians of 2 rounds, 16 tokens decoded per round"

@@ -38,7 +38,7 @@ from .ablation import blocks as ablation_blocks, knob_effects, markdown as ablat
 from .collect import collect, paper_tables, run_folders, same_cells
 from . import needle_heads
 from .leaderboard import leaderboard, markdown as leaderboard_markdown, tables as leaderboard_tables, \
-    title as leaderboard_title
+    title as leaderboard_title, bench_rounds
 from .ruler import length_deltas, plain, score_intervals
 from .savings import savings
 from .significance import MIN_STRATUM, RESAMPLES, SEED, savings_intervals, significance
@@ -285,10 +285,7 @@ def build_leaderboard(results: Path, experiments: list[str], bench: list[Path], 
     for path in bench:
         rows = read_jsonl(path)
         lines += [f"Bench `{path.name}`: `python -m pcs.bench --json` on {rows[0].get('device_name', '?')}, "
-                  f"{', '.join(sorted({r['model'] for r in rows}))} at "
-                  f"{', '.join(str(c) for c in sorted({r['context'] for r in rows}))} tokens, medians of "
-                  f"{rows[0].get('repeats', '?')} rounds, {rows[0].get('decode_tokens', '?')} tokens decoded per "
-                  "round.", ""]
+                  f"{', '.join(sorted({r['model'] for r in rows}))}: {bench_rounds(rows)}.", ""]
     for model, length, block in leaderboard_tables(board):
         lines += leaderboard_markdown(block)
         figure = leaderboard_figure(block, out / f"{model}_{length}.png", leaderboard_title(model, length))

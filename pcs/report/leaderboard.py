@@ -61,6 +61,21 @@ def bench_costs(paths: list[Path]) -> pd.DataFrame:
                                        "decode_rel"])
 
 
+def bench_rounds(rows: list[dict]) -> str:
+    """How a bench file measured its contexts: "4096 tokens, medians of 2 rounds, 16 tokens decoded per round",
+    one clause per context where the files' rounds differ (a context rerun on its own)."""
+    by_context: dict[int, set] = {}
+    for r in rows:
+        by_context.setdefault(int(r["context"]), set()).add((r.get("repeats", "?"), r.get("decode_tokens", "?")))
+    groups: dict[tuple, list[int]] = {}
+    for context, ways in sorted(by_context.items()):
+        for way in sorted(ways, key=str):
+            groups.setdefault(way, []).append(context)
+    return "; ".join(f"{', '.join(str(c) for c in contexts)} tokens, medians of {repeats} "
+                     f"round{'s' if repeats != 1 else ''}, {tokens} tokens decoded per round"
+                     for (repeats, tokens), contexts in groups.items())
+
+
 def cost_of(costs: pd.DataFrame, identity: RunIdentity, length: int) -> tuple[float, float]:
     """The bench's relative (prefill, decode) time for a run's cell at the bench context nearest ``length``."""
     cfg = identity.cfg
