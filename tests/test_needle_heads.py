@@ -142,7 +142,7 @@ def test_the_summary_relates_lost_answers_to_the_retrieval_heads():
 
 
 def test_the_report_draws_each_analysis(tmp_path):
-    from pcs.report.__main__ import needle_heads_section
+    from pcs.report.document import needle_heads_section
     analysis = {"model": "tiny", "runs": ["a", "b"], "labels": {"a": "snapkv_attention_b64", "b": "snapkv_perturbation_b64"},
                 "n_query_heads": 4, "samples": [
                     {"id": f"s{i}", "task": "niah_single_1", "full_score": 100,

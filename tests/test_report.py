@@ -6,7 +6,8 @@ import pandas as pd
 import pytest
 
 from pcs.identity import RunIdentity
-from pcs.report.__main__ import build, main
+from pcs.report.__main__ import main
+from pcs.report.document import build
 from pcs.report.collect import collect, paper_tables
 from pcs.report.savings import ABOVE, BELOW, equivalent_budget, savings
 

@@ -8,7 +8,7 @@ from pathlib import Path
 PCS = Path(__file__).resolve().parent.parent / "pcs"
 # Torch-free by contract: config validation and run identity, benchmarks (samples and scores), plots,
 # the report, rescoring and judging work from saved results on any machine.
-TORCH_FREE = ["pcs.config", "pcs.identity", "pcs.run_folder", "pcs.report.__main__", "pcs.rescore", "pcs.annotate",
+TORCH_FREE = ["pcs.config", "pcs.identity", "pcs.run_folder", "pcs.report.__main__", "pcs.report.document", "pcs.rescore", "pcs.annotate",
               "pcs.benchmarks.needle", "pcs.benchmarks.longbench", "pcs.benchmarks.alpacaeval",
               "pcs.benchmarks.perturbation_analysis", "pcs.plots.needle", "pcs.plots.savings",
               "pcs.plots.output_perturbation", "pcs.projection", "pcs.benchmarks.longbench_data", "pcs.status",

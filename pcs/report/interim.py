@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
+from . import RESAMPLES, SEED
 from ..cli import command
 
 
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
     parser = command("pcs.report.interim", __doc__)
     parser.add_argument("folders", type=Path, nargs="+", help="folders holding run folders (finished or not)")
     parser.add_argument("--setting", default="", help="only groups whose setting contains this text")
-    parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples (default 10000)")
+    parser.add_argument("--resamples", type=int, default=RESAMPLES, help=f"bootstrap resamples (default {RESAMPLES})")
     parser.add_argument("--target", type=float, default=3.0, help="the half-width, in points, to project the samples needed for (default 3)")
     args = parser.parse_args(argv)
     # pandas and the bootstrap load only once the arguments are read, so --help answers at once
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
                     continue
                 table = paired([scores[baseline], scores[(conventions, selection)]])
                 strata = mean_domains(table)["average"]
-                interval = paired_bootstrap((table[1] - table[0]).to_numpy(), strata, args.resamples, 0)
+                interval = paired_bootstrap((table[1] - table[0]).to_numpy(), strata, args.resamples, SEED)
                 cells.append(f"{interval.delta:+.1f} [{interval.ci_low:+.1f}, {interval.ci_high:+.1f}]")
                 widest = max(widest, (interval.ci_high - interval.ci_low) / 2)
             frame = scores[(conventions, selection)]

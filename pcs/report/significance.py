@@ -21,9 +21,9 @@ from ..benchmarks.ruler_data import GROUPS, domain_name
 from ..identity import RunIdentity
 from ..paths import read_jsonl
 from ..run_folder import saved_config
+from . import LEVEL, RESAMPLES, SEED
 from .savings import ABOVE, BELOW, equivalent_budget
 
-RESAMPLES, SEED, LEVEL = 10_000, 0, 0.95
 CHUNK = 1_000   # replicates drawn at a time, to bound memory on large runs
 # Samples every stratum needs for an interval: a stratum of 1 sample, or of 2 equal ones, never varies under
 # resampling, and a few understate its spread, so such an interval would look certain where nothing is known.
