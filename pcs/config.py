@@ -21,7 +21,7 @@ import functools
 import importlib
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from . import budget
 from .budget import is_share
@@ -35,7 +35,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 # Knobs added to an option after runs were saved, each with the value that reproduces what a run saved
 # without it did. A saved config that lacks one reads as if it held that value (``upgraded``), so old runs
 # keep their folder, resume, and pair with new ones.
-ADDED_KNOBS = {("benchmark", "needle"): {"query_aware": True}}
+# Runs saved before a method had a scorer ranked by the window's attention; before profiles had ``l1_norm`` every
+# profile summed |v W^O_h| as ``abs_sum`` does (kvpress's profile now sums in torch.norm's order, another run, so
+# its older runs are not upgraded: they keep their folders and are refused as another run's config on resume).
+ADDED_KNOBS = {("benchmark", "needle"): {"query_aware": True},
+               **{("method", m): {"scorer": "window_attention"} for m in ("snapkv", "adakv", "pyramidkv")},
+               **{("profile", p): {"l1_norm": "abs_sum"} for p in ("paper", "adakv", "kvcache_factory")}}
 
 
 def upgraded(saved: DictConfig) -> DictConfig:
@@ -159,6 +164,7 @@ def check_method_knobs(cfg: DictConfig) -> None:
         raise ConfigError(f"method={name} has no knob {', '.join(foreign)} (set by a preset, an experiment or the "
                           f"command line); methods that have {'it' if len(foreign) == 1 else 'them'}: "
                           f"{', '.join(fits) or 'none'}")
+    check_knob_values("method", cfg.method)
     if not uses("method", name, "budget"):
         return
     check_room(cfg.budget, cfg.method.get("window"), cfg.method.get("sinks") or 0)
@@ -190,17 +196,71 @@ def check_scorer(cfg: DictConfig) -> None:
                           f"must hold them")
 
 
+TYPES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "list": (list,), "null": (type(None),)}
+
+
+def type_of(value) -> str:
+    """A knob's value's type as a config file names it (``null``, ``bool``, ``int``, ``float``, ``str``, ``list``,
+    ``dict``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, ListConfig):
+        return "list"
+    if isinstance(value, DictConfig):
+        return "dict"
+    for name in ("bool", "int", "float", "str", "list"):
+        if isinstance(value, TYPES[name]) and not (name == "int" and isinstance(value, bool)):
+            return name
+    return "dict"
+
+
+def allowed_types(own: DictConfig, key: str) -> list[str] | None:
+    """What a knob may hold: its ``_types_`` declaration, else its default's type (a float knob takes an integer
+    too); None where neither says (a null default, a nested node)."""
+    declared_types = (own.get("_types_") or {}).get(key)
+    if declared_types is not None:
+        return ["null" if t is None else t for t in declared_types]      # YAML reads a bare null as None
+    default = type_of(own.get(key))
+    return None if default in ("null", "dict") else [default]
+
+
 def check_knob_values(group: str, node: DictConfig) -> None:
-    """A group node's knobs against what its option's file declares they may take: ``_choices_`` (knob: the
-    allowed values) and ``_range_`` (knob: [low, high], inclusive). Torch-free, so it runs before anything
-    heavy; the classes built from the node take these as given (``pcs.eviction.build`` checks them too)."""
+    """A group node's knobs against what its option's file declares they may take, torch-free, so that no value
+    reaches a model to crash it: each knob's type (``_types_``, else its default's: ``window=abc`` is refused where
+    the file says ``window: 32``), a list the file fills is never empty, ``_choices_`` (knob: the allowed values)
+    and ``_range_`` (knob: [low, high], inclusive, high null for none; a list's every number). The classes built
+    from the node take these as given (``pcs.eviction.build`` checks them too)."""
     own = group_file(group, node.name)
+    for key in [k for k in own if not is_declaration(k) and k in node and k != "name"]:
+        value, types = node.get(key), allowed_types(own, key)
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value, resolve=True)
+        if types is not None and not any(isinstance(value, TYPES[t]) and not (t in ("int", "float") and
+                                                                             isinstance(value, bool))
+                                         for t in types if t in TYPES):
+            raise ConfigError(f"{group}.{key}={value!r} must be {' or '.join(TYPE_WORDS.get(t, t) for t in types)} "
+                              f"({group}/{node.name}.yaml)")
+        if isinstance(value, list) and not value and own.get(key):
+            raise ConfigError(f"{group}.{key}=[] is empty: give at least one value (default "
+                              f"{OmegaConf.to_container(own[key])})")
     for key, allowed in (own.get("_choices_") or {}).items():
         one_of(f"{group}.{key}", node.get(key), list(allowed))
     for key, (low, high) in (own.get("_range_") or {}).items():
         value = node.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-            raise ConfigError(f"{group}.{key}={value!r} must lie in [{low}, {high}]")
+        if value is None and "null" in (allowed_types(own, key) or []):
+            continue
+        listed = isinstance(value, ListConfig)
+        bound = f"lie in [{low}, {high}]" if high is not None else f"be at least {low}"
+        for number in OmegaConf.to_container(value) if listed else [value]:
+            if isinstance(number, bool) or not isinstance(number, (int, float)) or number < low or \
+                    (high is not None and number > high):
+                shown = f"{OmegaConf.to_container(value)} holds {number!r}: each value must" if listed else \
+                    f"{value!r} must"
+                raise ConfigError(f"{group}.{key}={shown} {bound}")
+
+
+TYPE_WORDS = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string", "list": "a list",
+              "null": "null"}
 
 
 def check_room(budget: int | float, window: int | None = None, sinks: int = 0) -> None:
@@ -224,9 +284,10 @@ def validate(cfg: DictConfig) -> None:
         group_file(group, cfg[group].name)
     one_of("model.dtype", cfg.model.dtype, DTYPES)
     budget.check(cfg.budget)
-    check_method_knobs(cfg)
-    for group in ("method", "selection"):
+    for group in ("model", "profile", "benchmark", "logger"):
         check_knob_values(group, cfg[group])
+    check_method_knobs(cfg)
+    check_knob_values("selection", cfg.selection)
     check_scorer(cfg)
     from .eviction.conventions import Conventions   # torch-free; a profile checks its own conventions
     Conventions(**knobs(cfg.profile))

@@ -16,20 +16,38 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from .config import upgraded
+from .errors import ConfigError
 from .identity import without_locations
 from .paths import jsonl_lines, write_atomic
 
 
+class CorruptRows(ConfigError):
+    """A predictions file with a line that is not a row, other than a torn last one: nothing is resumed from it
+    until the line is removed (its sample is then answered again)."""
+
+
 def read_rows(path: Path) -> list[dict]:
-    """Finished predictions; a torn last line (the process died mid-write) is dropped."""
+    """Finished predictions. A torn last line (the process died mid-write: no newline after it) is dropped; any
+    other line that is not a JSON row with an id is an error naming the file and line, since reading past it or
+    stopping at it would lose rows silently."""
     if not path.exists():
         return []
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
     rows = []
-    for line in jsonl_lines(path.read_text(encoding="utf-8")):
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == len(lines):        # the last line, with no newline after it: torn
+                break
+            raise CorruptRows(f"{path}:{number} is not a JSON row ({err.msg}); delete that line (its sample is "
+                              f"answered again) and rerun") from err
+        if not isinstance(row, dict) or "id" not in row:
+            raise CorruptRows(f"{path}:{number} is not a row of predictions (no id); delete that line and rerun")
+        rows.append(row)
     return rows
 
 
@@ -65,22 +83,31 @@ def _read_only_config(path: Path, mtime_ns: int, size: int) -> DictConfig:
     return cfg
 
 
-def prepare(run_dir: Path, saved_config: str) -> None:
-    """Create the folder with its config, or check that an existing one holds the same config (a config
-    saved before a knob was added is the same run when it did what the knob's value does: it is rewritten; one
-    that differs only in where files are or which device ran, ``LOCATIONS``, is the same run too)."""
+def same_run(run_dir: Path, saved_config: str) -> bool:
+    """Whether an existing folder's config is this run's (a config saved before a knob was added is the same run
+    when it did what the knob's value does; one that differs only in where files are or which device ran,
+    ``LOCATIONS``, is the same run too); ``ConfigError`` where it holds another run."""
     config_file = run_dir / "config.yaml"
-    if config_file.exists():
-        if config_file.read_text() != saved_config:
-            old, new = (without_locations(OmegaConf.to_container(c))
-                        for c in (load_config(run_dir), OmegaConf.create(saved_config)))
-            if old != new:
-                raise RuntimeError(f"{run_dir} holds a run with a different config; "
-                                   f"remove it or choose another results_dir")
-            write_atomic(config_file, saved_config)
+    if not config_file.exists() or config_file.read_text() == saved_config:
+        return True
+    old, new = (without_locations(OmegaConf.to_container(c))
+                for c in (load_config(run_dir), OmegaConf.create(saved_config)))
+    if old != new:
+        differ = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        raise ConfigError(f"{run_dir} holds a run with another config (it differs in {', '.join(differ)}); "
+                          f"remove that folder or choose another results_dir")
+    return False
+
+
+def prepare(run_dir: Path, saved_config: str) -> None:
+    """Create the folder with its config, or check that an existing one holds the same run (``same_run``; a
+    saved config written before a knob was added is rewritten as a run composed today saves it)."""
+    if (run_dir / "config.yaml").exists():
+        if not same_run(run_dir, saved_config):
+            write_atomic(run_dir / "config.yaml", saved_config)
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(config_file, saved_config)          # shards of a run may create it at once
+    write_atomic(run_dir / "config.yaml", saved_config)          # shards of a run may create it at once
 
 
 @contextmanager
@@ -238,6 +265,14 @@ class RunFolder:
 
     def metrics(self) -> dict:
         return json.loads((self.path / "metrics.json").read_text())
+
+    def check(self, saved_config: str) -> None:
+        """What a job would find here, checked before anything loads or is written: the folder holds this run
+        (``same_run``) and its rows read (``CorruptRows``). A finished run is not resumed: nothing to check."""
+        if self.finished:
+            return
+        same_run(self.path, saved_config)
+        all_rows(self.path)
 
     def create(self, saved_config: str) -> None:
         """The folder with its config, or a check that it holds this run (``prepare``)."""

@@ -87,6 +87,8 @@ def run_cells(cfgs: list[DictConfig], shard: tuple[int, int] = (0, 1), benchmark
     cells = [new_cell(cfg, benchmark, shard) for cfg, benchmark in zip(cfgs, benchmarks)]
     if len({cell.identity.prefill_key for cell in cells}) > 1:
         raise ValueError("cells of one group must differ only in " + ", ".join(PER_CELL))
+    for cell in cells:          # every cell's folder, before any is written to
+        cell.folder.check(cell.identity.saved_config)
     results: dict[int, dict | None] = {}
     with ExitStack() as held:
         todo: list[tuple[int, Cell]] = []

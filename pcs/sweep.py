@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from pathlib import Path
+
 from .config import validate
+from .errors import ConfigError
 from .identity import PER_CELL, RunIdentity
 
 
@@ -14,6 +17,7 @@ def plan(cfgs: list[DictConfig]) -> list[list[int]]:
     validated first, so a bad cell stops the sweep before anything runs or is submitted."""
     for cfg in cfgs:
         validate(cfg)
+    one_model_per_path(cfgs)
     groups: dict[str, list[int]] = {}
     for i, cfg in enumerate(cfgs):
         groups.setdefault(RunIdentity(cfg).prefill_key, []).append(i)
@@ -38,3 +42,29 @@ def describe(cfgs: list[DictConfig], groups: list[list[int]], launcher: str, sha
         lines.append(f"  {jobs}: model={first.model.name} benchmark={first.benchmark.name}, {len(unique)} run(s)")
         lines += [f"    {name}" for name in unique]
     return "\n".join(lines)
+
+
+def one_model_per_path(cfgs: list[DictConfig]) -> None:
+    """A ``model.path`` given to a sweep over several models would load the same weights under each model's name:
+    refused, naming the models (narrow the sweep with ``model=``, one sweep per model and path)."""
+    names: dict[str, set[str]] = {}
+    for cfg in cfgs:
+        if cfg.model.get("path"):
+            names.setdefault(str(cfg.model.path), set()).add(cfg.model.name)
+    for path, models in names.items():
+        if len(models) > 1:
+            first = sorted(models)[0]
+            raise ConfigError(f"model.path={path} would load one set of weights as model={', model='.join(sorted(models))}; "
+                              f"sweep one model per path: add model={first} (and run the others with their own "
+                              f"model.path)")
+
+
+def check(cfg: DictConfig) -> None:
+    """One cell as its job will check it before loading anything: its benchmark's knobs and data
+    (``checked_benchmark``; the config itself was validated by ``plan``) and its run folder (another run's config,
+    a corrupted line: ``RunFolder.check``). Torch-free."""
+    from .benchmarks.base import checked_benchmark
+    from .run_folder import RunFolder
+    checked_benchmark(cfg, validated=True)
+    identity = RunIdentity(cfg)
+    RunFolder(Path(cfg.results_dir) / identity.folder).check(identity.saved_config)

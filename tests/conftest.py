@@ -1,7 +1,9 @@
 """Shared fixtures: composed configs, random-weight tiny models of the supported architectures."""
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")   # tests never reach the hub (read when huggingface_hub loads)
 # One OpenMP thread per process (read when torch loads; the sweep tests' job processes inherit it). The tests'
@@ -29,6 +31,19 @@ ARCHITECTURES = {
                                        layer_types=["sliding_attention", "full_attention"] * 2),
 }
 SLIDING_WINDOW = 16
+
+
+def longbench_files(folder: Path) -> Path:
+    """One well-formed record per LongBench task (and LongBench-E file), as the official files hold them: a dry
+    run checks each cell's data as its job will, and the docs' SLURM commands name a cluster's data folder."""
+    from pcs.benchmarks.longbench_data import ALL_TASKS, ANSWER_PATTERNS, CLASSIFICATION_TASKS, E_TASKS
+    folder.mkdir(parents=True, exist_ok=True)
+    for task, suffix in [(t, "") for t in ALL_TASKS] + [(t, "_e") for t in E_TASKS]:
+        record = {"input": "q", "context": "c", "answers": [ANSWER_PATTERNS.get(task, "") + "1"], "length": 10,
+                  "dataset": task, "language": "en", "_id": "0",
+                  "all_classes": ["a", "b"] if task in CLASSIFICATION_TASKS else None}
+        (folder / f"{task}{suffix}.jsonl").write_text(json.dumps(record) + "\n")
+    return folder
 
 
 def compose_cfg(*overrides: str):

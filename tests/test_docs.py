@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from conftest import longbench_files
+
 ROOT = Path(__file__).resolve().parent.parent
 CONF = str(ROOT / "pcs" / "conf")
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -79,11 +81,16 @@ def shown(command: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def sweeps_shown():
-    """Each documented sweep's exit code and error output from ``run.py -m ... --cfg job``."""
+def sweeps_shown(tmp_path_factory):
+    """Each documented sweep's exit code and error output from ``run.py -m ... --cfg job``, with the data folder
+    the docs name (``/data/longbench``) and the default one (``$PCS_CACHE_DIR/longbench``) holding LongBench files."""
     import json
-    done = subprocess.run([sys.executable, "-c", DRIVER, json.dumps([shown(c) for c in SWEEPS])], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    import os
+    cache = tmp_path_factory.mktemp("cache")
+    data = longbench_files(cache / "longbench")
+    argvs = [[a.replace("/data/longbench", str(data)) for a in shown(c)] for c in SWEEPS]
+    done = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PCS_CACHE_DIR": str(cache)})
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
     assert len(lines) == len(SWEEPS), done.stderr[-3000:]
     return dict(zip(SWEEPS, lines))

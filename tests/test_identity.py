@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from pcs.errors import ConfigError
 from pcs.identity import RunIdentity
 from pcs.run_folder import load_config, prepare
 
@@ -81,7 +82,7 @@ def test_a_config_saved_before_a_knob_existed_is_the_same_run(tmp_path):
     run = RunIdentity(load_config(old))
     assert run.saved_config == today and run.folder == "needle/smollm2/snapkv_perturbation_b128"
     assert run.pairing_key == RunIdentity(load_config(committed)).pairing_key
-    with pytest.raises(RuntimeError, match="different config"):
+    with pytest.raises(ConfigError, match="another config"):
         prepare(old, today.replace("query_aware: true", "query_aware: false"))
     prepare(old, today)                                   # resumes: the folder now says what it did
     assert (old / "config.yaml").read_text() == today
@@ -102,7 +103,7 @@ def test_a_run_rerun_from_other_paths_or_devices_resumes_in_its_folder(tmp_path)
     prepare(run_dir, moved_text)
     assert (run_dir / "config.yaml").read_text() == moved_text
     moved.budget = 256
-    with pytest.raises(RuntimeError, match="different config"):
+    with pytest.raises(ConfigError, match="another config"):
         prepare(run_dir, OmegaConf.to_yaml(moved))
 
 

@@ -80,7 +80,7 @@ def test_folder_with_another_config_is_refused(tiny_model_dir, tmp_path):
     d = folder(tmp_path, cfg)
     d.mkdir(parents=True)
     (d / "config.yaml").write_text("something: else\n")
-    with pytest.raises(RuntimeError, match="different config"):
+    with pytest.raises(ConfigError, match="another config"):
         run(cfg)
 
 
@@ -107,15 +107,6 @@ def test_bad_laprox_knobs_fail_before_the_model_loads(tmp_path, monkeypatch, ove
         run(compose_cfg(f"results_dir={tmp_path}", "method=laprox", override))
 
 
-def test_unknown_option_lists_valid_ones():
-    proc = subprocess.run([sys.executable, "run.py", "method=nope"], cwd=ROOT, capture_output=True, text=True)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert "Available options in 'method'" in out
-    for name in ("adakv", "full", "pyramidkv", "snapkv", "streamingllm"):
-        assert name in out
-
-
 @pytest.mark.parametrize("overrides,expected", [
     (["budget=8"], ["budget=8", "window"]),
     (["budget=0"], ["budget=0", "positive integer"]),
@@ -135,6 +126,9 @@ def test_unknown_option_lists_valid_ones():
     (["-m", "method=snapkv,adakv", "benchmark=longbench", "benchmark.data_dir=/nonexistent"],
      ["narrativeqa.jsonl is missing"]),
     (["-m", "method=snapkv", "hydra.launcher.shards=0"], ["hydra.launcher.shards=0"]),
+    (["method=snapk"], ["method=snapk is not an option", "did you mean snapkv"]),
+    (["method.floor=0.1"], ["method=snapkv has no knob floor", "adakv"]),
+    (["-m", "model=llama31,mistral7b", "model.path=/tmp"], ["model.path=/tmp", "model=llama31, model=mistral7b"]),
     (["-m", "method=snapkv", "hydra/launcher=slurm", "hydra.launcher.shards=2", "selection.alpha=-1"],
      ["selection.alpha=-1"])])
 def test_cli_reports_config_errors_before_torch_loads_in_under_two_cpu_seconds(tmp_path, overrides, expected):

@@ -20,7 +20,7 @@ from pcs.identity import RunIdentity
 from pcs.run_folder import exclusive
 from pcs.runner import run
 
-from conftest import CONF, compose_cfg
+from conftest import CONF, compose_cfg, longbench_files
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF) / "experiment").glob("*.yaml"))
@@ -56,8 +56,11 @@ def test_slurm_launcher_asks_one_gpu_per_job_and_more_for_big_models():
 
 
 def test_show_a_sweeps_launcher_config_from_the_command_line(tmp_path):
+    """The dry run that follows checks each cell's data as its job will: the default LongBench folder holds it."""
+    longbench_files(tmp_path / "cache" / "longbench")
     proc = subprocess.run([sys.executable, "run.py", "-m", "experiment=table1", "hydra/launcher=slurm",
-                           f"hydra.sweep.dir={tmp_path}", "--cfg", "hydra"], cwd=ROOT, capture_output=True, text=True)
+                           f"hydra.sweep.dir={tmp_path}/sweep", "--cfg", "hydra"], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "PCS_CACHE_DIR": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stderr
     config, jobs = proc.stdout.split("[pcs] ")
     launcher = OmegaConf.create(config).hydra.launcher
@@ -214,8 +217,13 @@ def test_wandb_offline_keeps_the_runs_metrics(tiny_model_dir, tmp_path):
     assert b"plots/heatmap" in Path(run_files[0]).read_bytes()   # the run's plot was logged too
 
 
-def test_wandb_failure_never_loses_results(tiny_model_dir, tmp_path, capsys):
-    cfg = compose_cfg(*needle_args(tiny_model_dir, tmp_path / "results"), "logger=wandb", "logger.mode=nonsense")
+def test_wandb_failure_never_loses_results(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    import wandb
+
+    def unreachable(**kwargs):
+        raise ConnectionError("W&B is unreachable")
+    monkeypatch.setattr(wandb, "init", unreachable)
+    cfg = compose_cfg(*needle_args(tiny_model_dir, tmp_path / "results"), "logger=wandb", "logger.mode=offline")
     metrics = run(cfg)
     assert "W&B logging failed" in capsys.readouterr().out
     assert json.loads((tmp_path / "results" / RunIdentity(cfg).folder / "metrics.json").read_text()) == metrics

@@ -8,7 +8,6 @@ one job after another), as a SLURM job array (``hydra/launcher=slurm``) or as lo
 import copy
 import functools
 import os
-import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -24,11 +23,10 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQue
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from pcs.benchmarks.base import checked_benchmark
 from pcs.config import positive_int
 from pcs.errors import ConfigError
 from pcs.slurm_queue import ENDED_STATES, queue_states
-from pcs.sweep import describe, plan
+from pcs.sweep import check, describe, plan
 
 
 
@@ -72,29 +70,17 @@ def cell_config(hydra_context, config: DictConfig, overrides: Sequence[str], job
 
 
 def planned(cfgs: list[DictConfig], launcher: str, shards: int) -> list[list[int]]:
-    """The groups, printed; a config error (a knob, the shards) stops the sweep before anything runs or is
-    submitted, as ``run.py`` does, torch-free."""
-    try:
-        if not positive_int(shards):
-            raise ConfigError(f"hydra.launcher.shards={shards!r} must be a positive integer (jobs per group of runs, "
-                              f"each answering every shards-th sample)")
-        groups = plan(cfgs)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    """The groups, printed, once every cell is checked as its job will check it (``pcs.sweep.check``: config,
+    data, run folder): a problem stops the sweep before anything runs or is submitted, a dry run too
+    (``ConfigError``: ``run.py`` reports it in one line, exit 2)."""
+    if not positive_int(shards):
+        raise ConfigError(f"hydra.launcher.shards={shards!r} must be a positive integer (jobs per group of runs, "
+                          f"each answering every shards-th sample)")
+    groups = plan(cfgs)
+    for cfg in cfgs:
+        check(cfg)
     print(describe(cfgs, groups, launcher, shards), flush=True)
     return groups
-
-
-def check_benchmarks(cfgs: list[DictConfig]) -> None:
-    """Every run's benchmark knobs and data, torch-free, before anything runs or is submitted (not in a dry run,
-    which only shows the plan, wherever the data is)."""
-    try:
-        for cfg in cfgs:
-            checked_benchmark(cfg, validated=True)      # the plan validated each config
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
 
 
 def returns(cfgs, overrides, status: JobStatus, values) -> list[JobReturn]:
@@ -144,7 +130,6 @@ class GroupingLauncher(Launcher):
         groups = planned(cfgs, "local", self.shards)
         if self.dry_run:
             return returns(cfgs, job_overrides, JobStatus.COMPLETED, [None] * len(cfgs))
-        check_benchmarks(cfgs)
         done = [run_group([cfgs[i] for i in group], [job_overrides[i] for i in group], (k, self.shards))
                 for group in groups for k in range(self.shards)]
         return per_run(len(cfgs), groups, done, self.shards)
@@ -167,7 +152,6 @@ class Grouped:
         groups = planned(cfgs, self._EXECUTOR, self.shards)
         if self.dry_run:
             return returns(cfgs, job_overrides, JobStatus.COMPLETED, [None] * len(cfgs))
-        check_benchmarks(cfgs)
         # One task of the job array each, carrying its runs' configs as composed and checked here: a task that
         # starts (or is requeued) later runs exactly these, whatever the checkout's YAML files say by then.
         jobs = [{"runs": [list(job_overrides[i]) for i in group], "cfgs": [cfgs[i] for i in group],
