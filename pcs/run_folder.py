@@ -211,6 +211,34 @@ def answers_taken(run_dir: Path) -> dict | None:
     return {"run": ", ".join(sorted({note["run"] for note in notes})), "rows": sum(note["rows"] for note in notes)}
 
 
+# Which weights answered a job folder's rows (``pcs.weights.fingerprint``), written when the job starts.
+WEIGHTS = "weights.json"
+
+
+class OtherWeights(ConfigError):
+    """A run folder answered with other weights than the job's: its rows are not mixed with this job's."""
+
+
+def weights_used(run_dir: Path) -> dict[str, dict]:
+    """Each job folder's recorded weights (the run's own and every shard's), by fingerprint id."""
+    found = {}
+    for path in [Path(run_dir) / WEIGHTS, *sorted((Path(run_dir) / SHARDS).glob(f"*/{WEIGHTS}"))]:
+        if path.exists():
+            weights = json.loads(path.read_text())
+            found.setdefault(weights.get("id"), weights)
+    found.pop(None, None)        # weights whose files were not found say nothing
+    return found
+
+
+def refuse_other_weights(run_dir: Path, weights: dict) -> None:
+    from .weights import described
+    others = [w for key, w in weights_used(run_dir).items() if key != weights.get("id")]
+    if others and weights.get("id") is not None:
+        raise OtherWeights(f"{run_dir} holds answers of {described(others[0])}, and this job loaded "
+                           f"{described(weights)}: its rows are not mixed with another model's; give model.path the "
+                           f"weights that run used, or choose another results_dir")
+
+
 # What ``python -m pcs.status`` reads besides the rows: the run's sample count, and per job folder (the run's or a
 # shard's) who is working in it and how its last job failed.
 SAMPLES, RUNNING, ERROR = "samples.json", "running.json", "error.txt"
@@ -292,6 +320,12 @@ class RunFolder:
     def note_samples(self, n_samples: int) -> None:
         note_samples(self.path, n_samples)
 
+    def note_weights(self, weights: dict) -> None:
+        """The weights this job loaded, refused where the run's rows came from others (``OtherWeights``), then
+        recorded in this job's folder."""
+        refuse_other_weights(self.path, weights)
+        write_json_atomic(self.out_dir / WEIGHTS, weights)
+
     def take_answers(self, rows: list[dict], source: Path) -> None:
         """Rows answered by the run at ``source`` (the same run on other samples), as this job's own."""
         write_rows_atomic(self.out_dir / "predictions.jsonl", rows)
@@ -331,6 +365,11 @@ class RunFolder:
             if self.finished:
                 return self.metrics()
             self.rows = all_rows(self.path)
+            if len(used := weights_used(self.path)) > 1:
+                from .weights import described
+                raise OtherWeights(f"{self.path}: its shards were answered by "
+                                   f"{' and '.join(described(w) for w in used.values())}; rerun the shards of one "
+                                   f"of them in another results_dir")
             missing = set(sample_ids) - {row["id"] for row in self.rows}
             if missing:
                 print(f"[pcs] shard {self.index} of {self.count} of {self.path} is done; "

@@ -19,13 +19,14 @@ from .engine import DoesNotFit, open_pool
 from .eviction import build_method
 from .generate import RunContext, generate_rows
 from .identity import PER_CELL, RunIdentity
-from .models import load_model, stop_token_ids
+from .models import load_model, stop_token_ids, weights_location
 from .options import EngineOptions
 from .output_perturbation import perturbation_row
 from .provenance import now, provenance
 from .run_folder import (RunFolder, all_rows, answers_taken, in_shard, is_finished, left_alone,
-                         same_but_for_the_samples, sample_choice, saved_config)
+                         same_but_for_the_samples, sample_choice, saved_config, weights_used)
 from .tracking import log_run
+from .weights import fingerprint
 
 
 def each_cell(step):
@@ -144,6 +145,7 @@ def execute(cells: list[Cell], shard: tuple[int, int] = (0, 1)) -> list[dict | N
     started, started_at = time.time(), now()
     options = EngineOptions.from_config(first.cfg.get("engine"))
     model, tokenizer = load_model(first.cfg.model)
+    weights = fingerprint(weights_location(first.cfg.model))
     stops = stop_token_ids(model, tokenizer, first.cfg.model.stop_tokens)
     samples = first.benchmark.samples(tokenizer)
     mine = interleaved([sample for i, sample in enumerate(samples) if in_shard(i, *shard)])
@@ -161,7 +163,8 @@ def execute(cells: list[Cell], shard: tuple[int, int] = (0, 1)) -> list[dict | N
         for cell in cells:
             cell.context = RunContext(model, tokenizer, cell.methods, stops, cell.cfg, cell.benchmark)
             cell.folder.note_samples(len(samples))
-            grow(cell, samples, tokenizer, shard, own={c.run_dir for c in cells})
+            cell.folder.note_weights(weights)
+            grow(cell, samples, tokenizer, weights, shard, own={c.run_dir for c in cells})
             files.enter_context(cell.folder.appending(len(samples)))
         speed = Throughput(pool)
         name = first.identity.folder if len(cells) == 1 else f"{len(cells)} runs sharing each prefill"
@@ -188,8 +191,8 @@ def execute(cells: list[Cell], shard: tuple[int, int] = (0, 1)) -> list[dict | N
     def used_by(c: Cell) -> dict:     # the pool is the group's; when answers stop, each cell's own config says
         return {**engine_used, "stop_when_scored": EngineOptions.from_config(c.cfg.get("engine")).stop_when_scored}
     ids = {sample.id for sample in samples}
-    return [cell.folder.merge(ids, lambda _, c=cell: summarize(c, model, started_at, wall_time_s, len(cells), order,
-                                                                 used_by(c), shard[1]))
+    return [cell.folder.merge(ids, lambda _, c=cell: summarize(c, model, weights, started_at, wall_time_s, len(cells),
+                                                                 order, used_by(c), shard[1]))
             for cell in cells]
 
 
@@ -209,7 +212,8 @@ def advice(err: DoesNotFit, cell: Cell, pool) -> str:
             f"a smaller pool will not make it fit; what would: " + "; ".join(fixes) + ".")
 
 
-def grow(cell: Cell, samples: list, tokenizer, shard: tuple[int, int] = (0, 1), own: set[Path] = frozenset()) -> None:
+def grow(cell: Cell, samples: list, tokenizer, weights: dict, shard: tuple[int, int] = (0, 1),
+         own: set[Path] = frozenset()) -> None:
     """A new run that is a run beside it but for which samples it holds (``benchmark.n_samples``,
     ``benchmark.tasks``) starts from that run's answers to the samples both have, so that more samples, or a
     narrower set of tasks, cost only the samples not answered yet. The other run may be finished or stopped part
@@ -217,12 +221,13 @@ def grow(cell: Cell, samples: list, tokenizer, shard: tuple[int, int] = (0, 1), 
     locks this process holds). A sample counts as the same only if the other run's benchmark builds it equal in
     every field (prompt, question, references), since a generator may draw another count's samples differently.
     Its rows then are what this run would write: the same config and sample, answered one at a time or in a pool
-    alike. A shard takes the answers to its own share, into its own file, while none of its share is answered."""
+    alike. A shard takes the answers to its own share, into its own file, while none of its share is answered. A
+    run answered by other weights (``weights``: this job's) gives none."""
     mine = {sample.id: sample for i, sample in enumerate(samples) if in_shard(i, *shard)}
     if any(row["id"] in mine for row in all_rows(cell.run_dir)):
         return
     for other in same_but_for_the_samples(cell.run_dir, cell.identity.saved_data()):
-        if other in own:
+        if other in own or set(weights_used(other)) - {weights.get("id")}:
             continue
         with left_alone(other) as idle:
             if not (idle or is_finished(other)):
@@ -239,7 +244,7 @@ def grow(cell: Cell, samples: list, tokenizer, shard: tuple[int, int] = (0, 1), 
             return
 
 
-def summarize(cell: Cell, model, started_at: str, wall_time_s: float, group_size: int, order: dict,
+def summarize(cell: Cell, model, weights: dict, started_at: str, wall_time_s: float, group_size: int, order: dict,
               engine: dict, shards: int = 1) -> dict:
     """A finished cell's predictions in sample order, its metrics.json (written last), its per-run outputs, its
     tracker entry."""
@@ -259,7 +264,7 @@ def summarize(cell: Cell, model, started_at: str, wall_time_s: float, group_size
         "engine": engine,                           # how answers decoded (execution: not part of the run's identity)
         "shards": shards,                           # jobs the samples were split over (this invocation's count)
         **({"answers_from": taken} if (taken := answers_taken(cell.run_dir)) else {}),   # ``grow``'s source
-        **provenance(cell.cfg, model, started_at, cell.benchmark.data_hashes()),
+        **provenance(cell.cfg, model, started_at, cell.benchmark.data_hashes(), weights),
     })
     cell.benchmark.finish(rows, metrics, cell.run_dir)
     cell.folder.write_metrics(metrics)

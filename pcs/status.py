@@ -1,6 +1,7 @@
-"""``python -m pcs.status [RESULTS_DIR]``: every run under a results folder, how far it is, its score once
-finished, and what its jobs are doing; then a summary (runs finished, running, failed; samples done). Torch-free:
-it reads the run folders only (``pcs.run_folder``).
+"""``python -m pcs.status [FOLDER] [--only finished|unfinished|running|failed]``: every run under a folder (a
+results folder, any folder inside it, or one run's), how far it is, its score once finished, and what its jobs
+are doing; then a summary of the runs shown (finished, running, failed; samples done). Torch-free: it reads the
+run folders only (``pcs.run_folder``).
 
 Per run: samples done of its total (its own rows and every shard's, counted once), finished or not, the jobs
 working in it now (the run's own, or ``shard k/N``; a job whose process is gone, on this host, or whose SLURM job
@@ -15,7 +16,7 @@ import socket
 import sys
 from pathlib import Path
 
-from .run_folder import ERROR, INTERRUPTED, RUNNING, SAMPLES, SHARDS, all_rows, is_finished
+from .run_folder import ERROR, INTERRUPTED, RUNNING, SAMPLES, SHARDS, CorruptRows, all_rows, is_finished
 from .slurm_queue import RUNNING_STATES, queue_states
 from .cli import command
 
@@ -51,7 +52,11 @@ def run_status(run_dir: Path) -> dict:
         total = json.loads((run_dir / "metrics.json").read_text())["n_samples"] if is_finished(run_dir) else None
     states = [(name, job_state(folder)) for name, folder in jobs]
     errors = [(name, (folder / ERROR).read_text().strip()) for name, folder in jobs if (folder / ERROR).exists()]
-    return {"run": str(run_dir), "done": len(all_rows(run_dir)), "total": total, "finished": is_finished(run_dir),
+    try:
+        done = len(all_rows(run_dir))
+    except CorruptRows as err:           # a job would refuse to resume it: say why, as a job's error
+        done, errors = 0, errors + [("run", str(err))]
+    return {"run": str(run_dir), "done": done, "total": total, "finished": is_finished(run_dir),
             "jobs": [f"{name}: {state}" for name, state in states if state],
             "errors": [f"{name}: {error}" for name, error in errors]}
 
@@ -87,29 +92,43 @@ def summary(states: list[str], done: int, total: int | None) -> str:
     return f"{len(states)} runs: " + ", ".join(parts) + f"; {samples}"
 
 
-def report(results_dir: Path) -> str:
+# ``--only``: which runs a state answers to ("unfinished": every run not finished, whatever its jobs do).
+FILTERS = {"finished": {"finished"}, "unfinished": {"running", "failed", INTERRUPTED, "not finished"},
+           "running": {"running"}, "failed": {"failed"}}
+
+
+def report(results_dir: Path, only: str | None = None) -> str:
     lines, states, done, total = [], [], 0, 0
     for run_dir in runs(results_dir):
         status = run_status(run_dir)
         state = state_of(status)
+        if only is not None and state not in FILTERS[only]:
+            continue
         states.append(state)
         done += status["done"]
         total = None if total is None or status["total"] is None else total + status["total"]
         of = "?" if status["total"] is None else status["total"]
         result = f"  {outcome(run_dir)}" if status["finished"] else ""
-        lines.append(f"{run_dir.relative_to(results_dir)}  {status['done']}/{of}  {state}{result}")
+        name = run_dir.relative_to(results_dir) if run_dir != results_dir else run_dir
+        lines.append(f"{name}  {status['done']}/{of}  {state}{result}")
         lines += [f"    {job}" for job in status["jobs"]] + [f"    last error, {error}" for error in status["errors"]]
     if not lines:
-        return f"no runs under {results_dir}"
+        return f"no {only + ' ' if only else ''}runs under {results_dir}"
     return "\n".join(lines + ["", summary(states, done, total)])
 
 
 def main(argv=None) -> int:
     parser = command("pcs.status", __doc__)
     parser.add_argument("results_dir", nargs="?", default="results",
-                        help="the folder of run folders to read, at any depth (default: results)")
+                        help="the folder to read: a results folder, a folder in it, or one run's (default: results)")
+    parser.add_argument("--only", choices=sorted(FILTERS),
+                        help="show only runs in this state (unfinished: every run not finished)")
     args = parser.parse_args(argv)
-    print(report(Path(args.results_dir)))
+    folder = Path(args.results_dir)
+    if not folder.is_dir():
+        print(f"error: {folder} is not a folder; give a results folder or a run's", file=sys.stderr)
+        return 2
+    print(report(folder, args.only))
     return 0
 
 
