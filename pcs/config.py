@@ -8,7 +8,8 @@ A group option's file (``method/snapkv.yaml``, ``benchmark/needle.yaml``, ...) h
   ``_target_`` the class implementing it (``module.Class``); ``_uses_`` the run-level settings it reads
   (``budget``, ``selection``: a run reads one only if its method and its benchmark both declare it);
   ``_judging_`` (benchmarks) knobs that decide how outputs are judged, not what is generated;
-  ``_choices_`` and ``_range_`` the values a knob may take (checked before torch loads);
+  ``_choices_``, ``_range_`` and ``_types_`` the values a knob may take (checked before torch loads; a knob's
+  type is its default's unless ``_types_`` says);
   ``_prefill_only_`` (methods) true where it chooses from a prefill only, never again while decoding.
 
 Declarations are looked up in the option's file by name, so a run folder's saved config (knobs only)
