@@ -4,8 +4,16 @@ description, kept as written (its examples and lists stay readable), and every o
 from __future__ import annotations
 
 import argparse
+import sys
+
+
+class Parser(argparse.ArgumentParser):
+    """A bad argument is one line naming it and what ``--help`` lists, exit 2, as every user error in pcs."""
+
+    def error(self, message: str):
+        print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
 
 
 def command(prog: str, doc: str | None) -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(prog=f"python -m {prog}", description=doc,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    return Parser(prog=f"python -m {prog}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

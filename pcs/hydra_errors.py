@@ -80,8 +80,7 @@ def unknown_key(key: str, text: str, overrides: list[str]) -> str:
         having = [o for o in options(group) if missing in group_file(group, o)]
         line = f"{text}: {group}={chosen} has no knob {missing}"
         if having:
-            example = "=".join([key, text.split("=", 1)[1]]) if "=" in text else key
-            line += f"; {group}s that have it: {', '.join(having)} (e.g. {group}={having[0]} {example})"
+            line += f"; {group}s that have it: {', '.join(having)} (e.g. {group}={having[0]} {text.lstrip('+')})"
         else:
             close = nearest(missing, own)
             line += f"{' (did you mean ' + ' or '.join(close) + '?)' if close else ''}"

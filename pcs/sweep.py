@@ -3,9 +3,9 @@ method, selection, profile, budget, decoding-time compression) form one group, r
 model once and prefills each sample once for all of them. Torch-free: a SLURM submitter plans without it."""
 from __future__ import annotations
 
-from omegaconf import DictConfig
-
 from pathlib import Path
+
+from omegaconf import DictConfig
 
 from .config import validate
 from .errors import ConfigError

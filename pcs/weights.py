@@ -53,7 +53,7 @@ def sampled_bytes(path: Path, digest) -> None:
             digest.update(handle.read())
             return
         for k in range(BLOCKS):
-            handle.seek(k * (size - BLOCK) // (BLOCKS - 1) if BLOCKS > 1 else 0)
+            handle.seek(k * (size - BLOCK) // (BLOCKS - 1))
             digest.update(handle.read(BLOCK))
         handle.seek(size - BLOCK)
         digest.update(handle.read(BLOCK))

@@ -64,3 +64,13 @@ def test_run_help_describes_the_groups_without_internal_keys():
         assert ", ".join(options(group)) in done.stdout, group      # every option, from the config tree
     for internal in ("preset_press", "sweep:", "hydra/job_logging"):
         assert internal not in done.stdout
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_commands_bad_argument_is_one_line_and_exit_2(command):
+    done = subprocess.run([sys.executable, "-m", command, "--no-such-option"], cwd=ROOT, capture_output=True,
+                          text=True)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    # the first problem argparse finds: the unknown option, or a required argument missing before it
+    assert lines[0].startswith(f"error: python -m {command}: ") and f"{command} --help" in lines[0], done.stderr
