@@ -26,29 +26,37 @@ class CorruptRows(ConfigError):
     until the line is removed (its sample is then answered again)."""
 
 
-def read_rows(path: Path) -> list[dict]:
+def read_rows(path: Path, unreadable: list[bytes] | None = None) -> list[dict]:
     """Finished predictions. A torn last line (the process died mid-write: no newline after it) is dropped; any
     other line that is not a JSON row with an id is an error naming the file and line, since reading past it or
-    stopping at it would lose rows silently."""
+    stopping at it would lose rows silently. ``unreadable``: a list that collects such lines instead (a shard's
+    file, which only its jobs write: its job sets them aside and answers their samples again)."""
     if not path.exists():
         return []
-    text = path.read_text(encoding="utf-8")
-    lines = text.split("\n")
+    lines = path.read_bytes().split(b"\n")
     rows = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
+            row = json.loads(line.decode("utf-8"))
+            problem = None if isinstance(row, dict) and "id" in row else "is not a row of predictions (no id)"
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
             if number == len(lines):        # the last line, with no newline after it: torn
                 break
-            raise CorruptRows(f"{path}:{number} is not a JSON row ({err.msg}); delete that line (its sample is "
-                              f"answered again) and rerun") from err
-        if not isinstance(row, dict) or "id" not in row:
-            raise CorruptRows(f"{path}:{number} is not a row of predictions (no id); delete that line and rerun")
-        rows.append(row)
+            problem = f"is not a JSON row ({err.msg if isinstance(err, json.JSONDecodeError) else 'not UTF-8'})"
+        if problem is None:
+            rows.append(row)
+        elif unreadable is not None:
+            unreadable.append(line)
+        else:
+            raise CorruptRows(f"{path}:{number} {problem}; delete that line (its sample is answered again) and "
+                              f"rerun")
     return rows
+
+
+class LostRows(RuntimeError):
+    """Answers a job wrote that its file no longer holds when the run is merged."""
 
 
 def write_rows_atomic(path: Path, rows: list[dict]) -> None:
@@ -151,11 +159,13 @@ def in_shard(position: int, index: int, count: int) -> bool:
 
 
 def all_rows(run_dir: Path) -> list[dict]:
-    """Every finished row of a run: its predictions.jsonl, then each shard's; the first row of an id is kept."""
-    files = [Path(run_dir) / "predictions.jsonl"] + sorted((Path(run_dir) / SHARDS).glob("*/predictions.jsonl"))
+    """Every finished row of a run: its predictions.jsonl, then each shard's; the first row of an id is kept. A
+    shard's line that is not a row is passed over (``RunFolder.appending`` sets it aside); one in the run's own
+    file is an error (``read_rows``)."""
+    shards = sorted((Path(run_dir) / SHARDS).glob("*/predictions.jsonl"))
     rows, seen = [], set()
-    for path in files:
-        for row in read_rows(path):
+    for path in [Path(run_dir) / "predictions.jsonl", *shards]:
+        for row in read_rows(path, None if path.parent == Path(run_dir) else []):
             if row["id"] not in seen:
                 seen.add(row["id"])
                 rows.append(row)
@@ -242,6 +252,7 @@ def refuse_other_weights(run_dir: Path, weights: dict) -> None:
 # What ``python -m pcs.status`` reads besides the rows: the run's sample count, and per job folder (the run's or a
 # shard's) who is working in it and how its last job failed.
 SAMPLES, RUNNING, ERROR = "samples.json", "running.json", "error.txt"
+SET_ASIDE = "unreadable_lines.txt"   # a shard's lines that were not rows, kept for a look (``RunFolder.appending``)
 INTERRUPTED = "interrupted"      # how error.txt starts for a job stopped from outside (not a failure of its own)
 
 
@@ -343,7 +354,14 @@ class RunFolder:
         # Drop a torn last line before appending. The rewrite is on disk before the first new row: rewritten
         # through the appending handle, rows past its buffer would stay in memory until the run's next row, and a
         # kill before that (the run already had them) would lose them.
-        write_rows_atomic(predictions_file, read_rows(predictions_file))
+        unreadable: list[bytes] = []
+        kept = read_rows(predictions_file, unreadable if self.count > 1 else None)
+        if unreadable:            # a shard's line that no longer reads: kept aside, its sample answered again
+            with (self.out_dir / SET_ASIDE).open("ab") as aside:
+                aside.write(b"".join(line + b"\n" for line in unreadable))
+            print(f"[pcs] {predictions_file}: {len(unreadable)} line(s) that are not rows moved to {SET_ASIDE}; "
+                  f"their samples are answered again")
+        write_rows_atomic(predictions_file, kept)
         with predictions_file.open("a", encoding="utf-8") as self._out:
             yield self
         self._out = None
@@ -354,9 +372,10 @@ class RunFolder:
         self._out.flush()
         self.rows.append(row)
 
-    def merge(self, sample_ids: set[str], summarize) -> dict | None:
+    def merge(self, sample_ids: set[str], summarize, own: set[str] = frozenset()) -> dict | None:
         """The run's metrics if every sample of it is done (its shards' rows included): ``summarize(self)``, which
-        writes them (``finish``), else None. With shards each finishing job waits for the run-level lock and reads
+        writes them (``finish``), else None; ``LostRows`` where an answer of ``own`` (this job's samples) is not on
+        disk, which a rerun answers again. With shards each finishing job waits for the run-level lock and reads
         the rows again under it, so whichever sees them all writes the metrics: a shard that found the lock taken
         and left could leave a finished run unmerged (the holder read before its last row landed)."""
         with ExitStack() as held:
@@ -371,6 +390,10 @@ class RunFolder:
                                    f"{' and '.join(described(w) for w in used.values())}; rerun the shards of one "
                                    f"of them in another results_dir")
             missing = set(sample_ids) - {row["id"] for row in self.rows}
+            if lost := missing & set(own):
+                raise LostRows(f"{self.out_dir / 'predictions.jsonl'} no longer holds {len(lost)} of the answers "
+                               f"this job wrote (a line of it was changed while the job ran); rerun: they are "
+                               f"answered again")
             if missing:
                 print(f"[pcs] shard {self.index} of {self.count} of {self.path} is done; "
                       f"{len(sample_ids) - len(missing)} of {len(sample_ids)} samples are, the rest is other shards'")

@@ -191,8 +191,9 @@ def execute(cells: list[Cell], shard: tuple[int, int] = (0, 1)) -> list[dict | N
     def used_by(c: Cell) -> dict:     # the pool is the group's; when answers stop, each cell's own config says
         return {**engine_used, "stop_when_scored": EngineOptions.from_config(c.cfg.get("engine")).stop_when_scored}
     ids = {sample.id for sample in samples}
+    own = {sample.id for sample in mine}
     return [cell.folder.merge(ids, lambda _, c=cell: summarize(c, model, weights, started_at, wall_time_s, len(cells),
-                                                                 order, used_by(c), shard[1]))
+                                                                 order, used_by(c), shard[1]), own)
             for cell in cells]
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import pcs.run_folder
 import pcs.runner
 from pcs.identity import RunIdentity
 from pcs.runner import run, run_cells
@@ -77,6 +78,49 @@ def test_a_merge_lost_to_a_crash_is_done_by_the_next_job(tiny_model_dir, tmp_pat
     assert asked == []
     for cfg, ref, metrics, expected in zip(cfgs, whole, got, want):
         assert rows(cfg) == rows(ref) and metrics["score"] == expected["score"]
+
+
+def test_a_shard_line_that_is_not_a_row_is_set_aside_and_its_sample_answered_again(tiny_model_dir, tmp_path,
+                                                                                     unsharded):
+    """Bytes changed inside a shard's file (a bad disk, a node lost mid-flush): the job that resumes the shard keeps
+    every line that reads, moves the others aside and answers their samples again; the run equals one job's."""
+    whole, want = unsharded
+    cfgs = [needle(tiny_model_dir, tmp_path / "corrupt", *cell) for cell in CELLS]
+    run_cells(cfgs, shard=(0, 3))
+    run_cells(cfgs, shard=(1, 3))
+    shard = folder(cfgs[0]) / "shards" / "1-of-3" / "predictions.jsonl"
+    lines = shard.read_bytes().split(b"\n")
+    lines[1] = b"\x00\xff" * (len(lines[1]) // 2)            # the middle row of three, same length, not text
+    shard.write_bytes(b"\n".join(lines))
+    assert pcs.run_folder.all_rows(folder(cfgs[0])) and "unread" not in "".join(
+        p.name for p in shard.parent.iterdir())              # read past (a dry run's check passes), not moved yet
+    merged = run_cells(cfgs, shard=(2, 3))
+    assert merged[0] is None and merged[1] is not None          # the first run's shard 1 misses a row: not merged
+    got = [run_cells(cfgs, shard=(1, 3))[0], merged[1]]         # answers it again, then merges
+    assert (shard.parent / pcs.run_folder.SET_ASIDE).read_bytes() == lines[1] + b"\n"
+    for cfg, ref, metrics, expected in zip(cfgs, whole, got, want):
+        assert rows(cfg) == rows(ref) and metrics["score"] == expected["score"]
+
+
+def test_a_job_whose_answers_vanish_from_its_file_fails_and_a_rerun_answers_them(tiny_model_dir, tmp_path,
+                                                                                   unsharded, monkeypatch):
+    """A row of this job's shard changed while the job ran: the merge would wait for it forever, so the job fails
+    naming the file (the sweep reports it and a resubmission answers the row again)."""
+    whole, want = unsharded
+    cfgs = [needle(tiny_model_dir, tmp_path / "vanished", *cell) for cell in CELLS[:1]]
+    run_cells(cfgs, shard=(0, 2))
+    original = pcs.run_folder.RunFolder.merge
+    shard = folder(cfgs[0]) / "shards" / "1-of-2" / "predictions.jsonl"
+
+    def corrupting(self, *args):
+        shard.write_text("".join(["not a row\n", *shard.read_text().splitlines(keepends=True)[1:]]))
+        return original(self, *args)
+    monkeypatch.setattr(pcs.run_folder.RunFolder, "merge", corrupting)
+    with pytest.raises(pcs.run_folder.LostRows, match="1-of-2/predictions.jsonl no longer holds 1 of the answers"):
+        run_cells(cfgs, shard=(1, 2))
+    monkeypatch.setattr(pcs.run_folder.RunFolder, "merge", original)
+    got = run_cells(cfgs, shard=(1, 2))
+    assert rows(cfgs[0]) == rows(whole[0]) and got[0]["score"] == want[0]["score"]
 
 
 def test_another_shard_count_completes_a_started_run_without_duplicates(tiny_model_dir, tmp_path, unsharded):
