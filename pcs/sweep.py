@@ -68,3 +68,18 @@ def check(cfg: DictConfig) -> None:
     checked_benchmark(cfg, validated=True)
     identity = RunIdentity(cfg)
     RunFolder(Path(cfg.results_dir) / identity.folder).check(identity.saved_config)
+
+
+def left_unfinished(cfg: DictConfig) -> str | None:
+    """After every job of a sweep has ended without an error: why the cell's run is still not finished, where it
+    is not and no job works in it (a shard's rows changed after its job ended, so no job saw every sample done).
+    None where it is finished or another job holds it."""
+    from .run_folder import is_finished, left_alone
+    run_dir = Path(cfg.results_dir) / RunIdentity(cfg).folder
+    if is_finished(run_dir):
+        return None
+    with left_alone(run_dir) as idle:
+        if not idle:
+            return None
+    return (f"{run_dir}: every job ended, yet some samples have no answer on disk (a shard's file changed after its "
+            f"job ended); resubmit the sweep: those samples are answered again")

@@ -123,6 +123,32 @@ def test_a_job_whose_answers_vanish_from_its_file_fails_and_a_rerun_answers_them
     assert rows(cfgs[0]) == rows(whole[0]) and got[0]["score"] == want[0]["score"]
 
 
+def test_a_sweep_whose_jobs_all_ended_without_finishing_a_run_fails_it(tiny_model_dir, tmp_path):
+    """Every shard's job returned without error, but none merged (a row went missing after its job ended): the
+    launcher fails the cell, naming the run, where a finished run, or one another job holds, passes."""
+    from hydra.core.utils import JobReturn, JobStatus
+    from hydra_plugins.pcs_launcher.pcs_launcher import per_run
+    cfg = needle(tiny_model_dir, tmp_path / "unmerged", "method=snapkv")
+    run_cells([cfg], shard=(0, 2))                           # shard 1 never answered: the run is not finished
+
+    def outcome():
+        ended = [[JobReturn(overrides=[], cfg=cfg, status=JobStatus.COMPLETED, _return_value=None)]] * 2
+        return per_run([cfg], [[0]], ended, 2)[0]
+    assert outcome().status == JobStatus.FAILED
+    assert f"{folder(cfg)}: every job ended, yet some samples have no answer" in str(outcome()._return_value)
+    (folder(cfg) / "shards" / "1-of-2").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
+                               "fcntl.lockf(f, fcntl.LOCK_EX); print(flush=True); time.sleep(120)",
+                               str(folder(cfg) / "shards" / "1-of-2" / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:                                 # another process (a job at work in shard 1) holds its lock: no failure
+        holder.stdout.readline()
+        assert outcome().status == JobStatus.COMPLETED
+    finally:
+        holder.kill()
+    run_cells([cfg], shard=(1, 2))
+    assert outcome().status == JobStatus.COMPLETED
+
+
 def test_another_shard_count_completes_a_started_run_without_duplicates(tiny_model_dir, tmp_path, unsharded):
     whole, _ = unsharded
     cfgs = [needle(tiny_model_dir, tmp_path / "changed", *cell) for cell in CELLS]

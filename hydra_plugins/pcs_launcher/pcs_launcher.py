@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from pcs.config import positive_int
 from pcs.errors import ConfigError
 from pcs.slurm_queue import ENDED_STATES, queue_states
-from pcs.sweep import check, describe, plan
+from pcs.sweep import check, describe, left_unfinished, plan
 
 
 
@@ -99,16 +99,22 @@ def run_group(cfgs: list[DictConfig], overrides: list[Sequence[str]], shard=(0, 
         return returns(cfgs, overrides, JobStatus.FAILED, [err] * len(cfgs))
 
 
-def per_run(n_runs: int, groups: list[list[int]], done: list[list[JobReturn]], shards: int) -> list[JobReturn]:
+def per_run(cfgs: list[DictConfig], groups: list[list[int]], done: list[list[JobReturn]],
+            shards: int) -> list[JobReturn]:
     """One return per sweep cell from each group's shard jobs: a failed shard's, else the one whose job wrote the
-    run's results (the others return None: their part is done, the run's is not yet)."""
-    out: list[JobReturn | None] = [None] * n_runs
+    run's results (the others return None: their part is done, the run's is not yet). A run that no job finished
+    although none failed fails (``left_unfinished``): the sweep must not end as if it were done."""
+    out: list[JobReturn | None] = [None] * len(cfgs)
     for g, group in enumerate(groups):
         for k in range(shards):
             for i, ret in zip(group, done[g * shards + k]):
                 if out[i] is None or ret.status == JobStatus.FAILED or (
                         out[i].status != JobStatus.FAILED and ret.return_value is not None):
                     out[i] = ret
+    for i, ret in enumerate(out):
+        if ret.status == JobStatus.COMPLETED and ret.return_value is None and (why := left_unfinished(cfgs[i])):
+            out[i] = JobReturn(overrides=ret.overrides, cfg=ret.cfg, status=JobStatus.FAILED,
+                               _return_value=RuntimeError(why))
     return out
 
 
@@ -132,7 +138,7 @@ class GroupingLauncher(Launcher):
             return returns(cfgs, job_overrides, JobStatus.COMPLETED, [None] * len(cfgs))
         done = [run_group([cfgs[i] for i in group], [job_overrides[i] for i in group], (k, self.shards))
                 for group in groups for k in range(self.shards)]
-        return per_run(len(cfgs), groups, done, self.shards)
+        return per_run(cfgs, groups, done, self.shards)
 
 
 class Grouped:
@@ -161,7 +167,7 @@ class Grouped:
                 returns([cfgs[i] for i in group], [job_overrides[i] for i in group], JobStatus.FAILED,
                         [result] * len(group))
                 for group, result in zip(owners, collect(self.submit(jobs, initial_job_idx), self._EXECUTOR == "slurm"))]
-        return per_run(len(cfgs), groups, done, self.shards)
+        return per_run(cfgs, groups, done, self.shards)
 
     def submit(self, jobs: list[dict], initial_job_idx: int) -> list:
         """The jobs submitted as hydra-submitit-launcher submits a sweep's (its executor, resources, folders and
