@@ -164,6 +164,8 @@ class Chaos:
         return f"node {node} drained for {delay:.0f} s"
 
     def disk_full(self):
+        if not self.answering():                     # while a job writes rows
+            return None
         ballast = self.results / ".chaos_ballast"
         with ballast.open("wb") as out:
             try:
@@ -303,6 +305,11 @@ def main() -> int:
         if why is None:
             shutil.copytree(results, work / "chaos", ignore=shutil.ignore_patterns(".chaos_ballast"))
             subprocess.run(["umount", str(results)], capture_output=True)
+    logs = "".join(p.read_text(errors="replace") for p in (work / "multirun" / ".submitit").rglob("*_log.*"))
+    print(f"[chaos] in the jobs' logs: {logs.count('[Errno 28]')} write(s) refused for want of space, "
+          f"{logs.count('samples already done')} resumption(s), {logs.count('that are not rows moved to')} shard "
+          f"file(s) with lines set aside, {logs.count('no longer holds')} job(s) that found their answers gone",
+          flush=True)
     found, runs, rows = differences(want, work / "chaos" if why is None else results)
     for line in found:
         print(f"[chaos] DIFFERS {line}", flush=True)

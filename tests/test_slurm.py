@@ -1,7 +1,8 @@
 """A sharded sweep on a real SLURM (``scripts/local_slurm.sh start``): through ``hydra/launcher=slurm`` with 3
 shards it writes what an unsharded local run writes; a shard's job cancelled mid-run fails the sweep, naming it,
 and the sweep re-submitted completes it; a job requeued while it runs, and a job reaching its time limit
-(submitit checkpoints and requeues it on SLURM's signal), resume from their rows; nothing is lost or duplicated.
+(submitit checkpoints and requeues it on SLURM's signal), resume from their rows; nothing is lost or duplicated;
+a sweep disturbed by 5 faults at random (the short chaos run) and resubmitted ends as an undisturbed run does.
 Skipped, saying why, where no cluster answers; left out of ``make test`` (``pytest -m slurm`` runs them)."""
 import functools
 import json
@@ -230,3 +231,24 @@ def test_a_job_at_its_time_limit_is_requeued_and_resumes(tmp_path):
     want = compose_cfg(f"results_dir={tmp_path / 'local'}", "progress=false", *LONG, "method=snapkv")
     run_cells([want])
     assert rows(got) == rows(want)                    # each sample once, as in an uninterrupted run
+
+
+def test_a_sweep_disturbed_by_five_faults_at_random_and_resubmitted_equals_an_undisturbed_run(tmp_path):
+    """The short chaos run (scripts/chaos_slurm.py, seed 2026): 5 faults of 5 kinds injected while a sharded
+    sweep runs, resubmitted until done. Checked here on its files, apart from the script's own comparison: every
+    row and every metric but the invocation's equals the undisturbed run's."""
+    work = tmp_path / "chaos"
+    proc = subprocess.run([sys.executable, "scripts/chaos_slurm.py", "--seed", "2026", "--faults", "5", "--work",
+                           str(work)], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    faults = [line.split()[3].rstrip(":") for line in proc.stdout.splitlines() if line.startswith("[chaos] fault ")]
+    assert len(faults) == len(set(faults)) == 5, proc.stdout
+    runs = sorted(p.parent.relative_to(work / "reference") for p in (work / "reference").rglob("metrics.json"))
+    assert len(runs) == len(METHODS)
+    for run in runs:
+        def read(top):
+            lines = (top / run / "predictions.jsonl").read_text().splitlines()
+            metrics = json.loads((top / run / "metrics.json").read_text())
+            return ([{k: v for k, v in json.loads(line).items() if k not in TIMINGS} for line in lines],
+                    {k: metrics[k] for k in ("score", "grid", "n_samples", "kv_cache_bytes", "weights", "data")})
+        assert read(work / "chaos") == read(work / "reference")
