@@ -21,7 +21,6 @@ so the seed fixes what is done and in what order, not the instants. It drains a 
 cluster of your own (``scripts/local_slurm.sh``). Exit 0: every run equals the reference; 1: a difference, listed."""
 from __future__ import annotations
 
-import argparse
 import errno
 import json
 import os
@@ -33,6 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from pcs.cli import Parser
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("kill", "torn", "cancel", "requeue", "drain", "disk_full", "corrupt")
@@ -60,8 +61,10 @@ def sweep_command(work: Path, results: Path, faults: int) -> list[str]:
 def reference(work: Path, faults: int) -> Path:
     """The same sweep answered here, undisturbed, by the local launcher."""
     out = work / "reference"
-    subprocess.run([sys.executable, "run.py", "-m", *grid(faults), f"results_dir={out}",
-                    f"hydra.sweep.dir={work}/reference_multirun"], cwd=ROOT, check=True, capture_output=True)
+    done = subprocess.run([sys.executable, "run.py", "-m", *grid(faults), f"results_dir={out}",
+                           f"hydra.sweep.dir={work}/reference_multirun"], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"error: the undisturbed run failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
     return out
 
 
@@ -72,14 +75,14 @@ def slurm(*args: str) -> subprocess.CompletedProcess:
 class Chaos:
     """The faults, their targets and the repairs due (a node to resume, a filesystem to free)."""
 
-    def __init__(self, seed: int, faults: int, work: Path, results: Path, disk_full: bool):
+    def __init__(self, seed: int, faults: int, results: Path, disk_full: bool):
         self.rng = random.Random(seed)
         kinds = [k for k in KINDS if disk_full or k != "disk_full"]
         self.plan: list[str] = []
         while len(self.plan) < faults:
             self.plan += self.rng.sample(kinds, len(kinds))
         self.plan = self.plan[:faults]
-        self.work, self.results = work, results
+        self.results = results
         self.done: list[str] = []
         self.next_at = time.time() + self.rng.uniform(3, 8)
         self.repairs: list[tuple[float, str, str]] = []       # (when, what, target)
@@ -225,29 +228,31 @@ def mount_results(path: Path) -> str | None:
     return None if out.returncode == 0 else out.stderr.strip() or "mount failed"
 
 
+def rows_of(run: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMINGS}
+            for line in (run / "predictions.jsonl").read_text().splitlines()]
+
+
+def metrics_of(run: Path) -> dict:
+    return {k: v for k, v in json.loads((run / "metrics.json").read_text()).items() if k not in INVOCATION}
+
+
 def differences(want_dir: Path, got_dir: Path) -> tuple[list[str], int, int]:
     """Where the runs under ``got_dir`` differ from those under ``want_dir``; runs and rows compared."""
     found, runs, rows = [], 0, 0
     for metrics_path in sorted(want_dir.rglob("metrics.json")):
-        run = metrics_path.parent.relative_to(want_dir)
-        runs += 1
+        want, run = metrics_path.parent, metrics_path.parent.relative_to(want_dir)
         got = got_dir / run
+        runs += 1
         if not (got / "metrics.json").exists():
             found.append(f"{run}: not finished")
             continue
-
-        def rows_of(folder):
-            return [{k: v for k, v in json.loads(line).items() if k not in TIMINGS}
-                    for line in (folder / "predictions.jsonl").read_text().splitlines()]
-
-        def metrics_of(folder):
-            return {k: v for k, v in json.loads((folder / "metrics.json").read_text()).items() if k not in INVOCATION}
-        want_rows, got_rows = rows_of(metrics_path.parent), rows_of(got)
+        want_rows, got_rows = rows_of(want), rows_of(got)
         rows += len(want_rows)
         if got_rows != want_rows:
             bad = [w["id"] for w, g in zip(want_rows, got_rows) if w != g]
             found.append(f"{run}: {len(got_rows)} rows against {len(want_rows)}; differing: {bad[:5]}")
-        want_m, got_m = metrics_of(metrics_path.parent), metrics_of(got)
+        want_m, got_m = metrics_of(want), metrics_of(got)
         if got_m != want_m:
             keys = sorted(k for k in set(want_m) | set(got_m) if want_m.get(k) != got_m.get(k))
             found.append(f"{run}: metrics differ in {keys}")
@@ -255,13 +260,15 @@ def differences(want_dir: Path, got_dir: Path) -> tuple[list[str], int, int]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seed", type=int, required=True)
-    parser.add_argument("--faults", type=int, default=20)
-    parser.add_argument("--work", type=Path, help="a folder for the run (default: a new temporary one)")
+    parser = Parser(prog="scripts/chaos_slurm.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, required=True, help="draws the faults, their order and pauses")
+    parser.add_argument("--faults", type=int, default=20, help="faults to inject (default 20)")
+    parser.add_argument("--work", type=Path, help="a new folder for the run (default: a new temporary one)")
     args = parser.parse_args()
     if args.faults < 1:
         parser.error(f"--faults={args.faults} must be at least 1")
+    if args.work is not None and args.work.exists() and any(args.work.iterdir()):
+        parser.error(f"--work={args.work} is not empty: give a new folder (the run mounts its results there)")
     if shutil.which("sbatch") is None or slurm("sinfo", "-h", "-o", "%T").returncode != 0:
         print("error: no SLURM cluster answers: run scripts/local_slurm.sh start", file=sys.stderr)
         return 2
@@ -275,7 +282,7 @@ def main() -> int:
     why = mount_results(results)
     if why:
         print(f"[chaos] no tmpfs for the results ({why}): disk_full faults left out", flush=True)
-    chaos = Chaos(args.seed, args.faults, work, results, disk_full=why is None)
+    chaos = Chaos(args.seed, args.faults, results, disk_full=why is None)
     print(f"[chaos] faults in order: {' '.join(chaos.plan)}", flush=True)
     submissions = 0
     try:
