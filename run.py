@@ -1,5 +1,6 @@
 """Entry point: ``python run.py [model=..] [method=..] [selection=..] [budget=..] [benchmark=..]``."""
 import sys
+from pathlib import Path
 
 import hydra
 import hydra._internal.utils as hydra_utils
@@ -9,11 +10,14 @@ from omegaconf import DictConfig, OmegaConf
 from pcs.benchmarks.base import checked_benchmark
 from pcs.config import options
 from pcs.errors import ConfigError
-from pcs.hydra_errors import reporting_in_one_line
+from pcs.identity import RunIdentity
+from pcs.run_folder import RunFolder
+from pcs.hydra_errors import arguments_in_one_line, reporting_in_one_line
 
 # What Hydra itself rejects while composing (an unknown option or key, a missing +) is reported as pcs reports every
 # user error: one line, exit 2 (hydra-core is pinned: pyproject.toml).
 hydra_utils.run_and_report = reporting_in_one_line(hydra_utils.run_and_report)
+sys.modules["hydra.main"].get_args_parser = arguments_in_one_line(hydra_utils.get_args_parser)
 # --help lists each group's options as the config tree holds them (pcs/conf/hydra/help/pcs.yaml).
 OmegaConf.register_new_resolver("pcs_options", lambda group: ", ".join(options(group)), replace=True)
 
@@ -22,6 +26,8 @@ OmegaConf.register_new_resolver("pcs_options", lambda group: ", ".join(options(g
 def main(cfg: DictConfig) -> None:
     try:
         benchmark = checked_benchmark(cfg)   # before torch and transformers load: a user's error is reported at once
+        identity = RunIdentity(cfg)
+        RunFolder(Path(cfg.results_dir) / identity.folder).check(identity.saved_config)
         from pcs.runner import run
         run(cfg, benchmark)
     except ConfigError as err:

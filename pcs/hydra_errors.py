@@ -161,3 +161,18 @@ def reporting_in_one_line(run_and_report):
                 sys.exit(2)
         return run_and_report(translated)
     return run
+
+
+def arguments_in_one_line(get_args_parser):
+    """Hydra's command-line parser, with a flag it rejects (an unknown one, ``-m`` after the overrides) reported in
+    one line, exit 2, instead of its usage text."""
+    def parser():
+        made = get_args_parser()
+
+        def error(message: str):
+            print(f"error: run.py: {message}; flags (-m, --cfg, --help) go before the overrides: "
+                  f"python run.py [-m] key=value ... (see python run.py --help)", file=sys.stderr)
+            sys.exit(2)
+        made.error = error
+        return made
+    return parser

@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import socket
+import tempfile
 from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -116,6 +117,20 @@ def prepare(run_dir: Path, saved_config: str) -> None:
         return
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "config.yaml", saved_config)          # shards of a run may create it at once
+
+
+def can_create(run_dir: Path) -> None:
+    """``ConfigError`` where ``run_dir`` could not be created: its nearest existing folder takes no new entry
+    (permissions, a read-only or virtual filesystem, a file in the way). Tried with an empty folder, removed at once:
+    the check writes nothing."""
+    existing = Path(run_dir)
+    while not existing.exists():
+        existing = existing.parent
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".pcs-probe-"))
+    except OSError as err:
+        raise ConfigError(f"cannot create the run folder {run_dir}: {existing} takes no new folder ({err.strerror}); "
+                          f"set results_dir to a folder this process can write") from err
 
 
 @contextmanager
@@ -306,8 +321,10 @@ class RunFolder:
         return json.loads((self.path / "metrics.json").read_text())
 
     def check(self, saved_config: str) -> None:
-        """What a job would find here, checked before anything loads or is written: the folder holds this run
-        (``same_run``) and its rows read (``CorruptRows``). A finished run is not resumed: nothing to check."""
+        """What a job would find here, checked before anything loads or is written: the folder can be created
+        (``can_create``), holds this run (``same_run``) and its rows read (``CorruptRows``). A finished run is not resumed: nothing to check."""
+        if not self.path.exists():
+            can_create(self.path)
         if self.finished:
             return
         same_run(self.path, saved_config)

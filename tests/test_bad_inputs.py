@@ -190,3 +190,15 @@ def test_run_folders_that_cannot_be_resumed_are_one_line_exit_2_and_left_as_they
         code, err = refused(argv, tmp_path, results, monkeypatch, capsys)
         assert_one_line(code, err, names, argv)
     assert tree(results) == before
+
+
+def test_a_results_dir_that_cannot_be_created_and_a_misplaced_flag_are_one_line_exit_2(tmp_path, monkeypatch,
+                                                                                        capsys):
+    blocker = tmp_path / "a_file"                   # a file where results_dir needs a folder
+    blocker.write_text("")
+    code, err = refused([], tmp_path, blocker / "results", monkeypatch, capsys)
+    assert_one_line(code, err, f"{blocker} takes no new folder (Not a directory)", "results_dir under a file")
+    assert sorted(tmp_path.iterdir()) == [blocker] and blocker.read_text() == ""     # the probe left nothing
+    code, err = refused(["method=snapkv", "-m"], tmp_path, tmp_path / "results", monkeypatch, capsys)
+    assert_one_line(code, err, "unrecognized arguments: ", "-m after an override")
+    assert "flags (-m, --cfg, --help) go before the overrides" in err
