@@ -37,11 +37,13 @@ DTYPES = ("float32", "bfloat16", "float16")
 # without it did. A saved config that lacks one reads as if it held that value (``upgraded``), so old runs
 # keep their folder, resume, and pair with new ones.
 # Runs saved before a method had a scorer ranked by the window's attention; before profiles had ``l1_norm`` every
-# profile summed |v W^O_h| as ``abs_sum`` does (kvpress's profile now sums in torch.norm's order, another run, so
-# its older runs are not upgraded: they keep their folders and are refused as another run's config on resume).
+# profile summed |v W^O_h| as ``abs_sum`` does, and before ``window_cut`` every profile cut a window's prefix
+# ``apart`` (kvpress's profile now sums in torch.norm's order and cuts ``in_row``, another run, so its older runs
+# are not upgraded: they keep their folders and are refused as another run's config on resume).
 ADDED_KNOBS = {("benchmark", "needle"): {"query_aware": True},
                **{("method", m): {"scorer": "window_attention"} for m in ("snapkv", "adakv", "pyramidkv")},
-               **{("profile", p): {"l1_norm": "abs_sum"} for p in ("paper", "adakv", "kvcache_factory")}}
+               **{("profile", p): {"l1_norm": "abs_sum", "window_cut": "apart"}
+                  for p in ("paper", "adakv", "kvcache_factory")}}
 
 
 def upgraded(saved: DictConfig) -> DictConfig:

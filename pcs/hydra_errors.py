@@ -61,7 +61,9 @@ def base_config(overrides: list[str], skip: str) -> DictConfig | None:
 
 
 def knob_names(node) -> list[str]:
-    return [k for k in node if not is_declaration(k) and k != "name"] if isinstance(node, DictConfig) else []
+    if not isinstance(node, DictConfig):
+        return []
+    return [k for k in node if not is_declaration(k) and k not in ("name", "defaults")]   # a file's defaults list
 
 
 def unknown_key(key: str, text: str, overrides: list[str]) -> str:

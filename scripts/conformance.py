@@ -9,7 +9,13 @@ settings (window 32 / kernel 7, and kvpress's defaults window 64 / kernel 5; ave
 kvpress has), every pcs method x selection that kvpress has a press for runs through the same hooks a real
 run uses, and kvpress's press through its own. kvpress's kept positions are read from what it leaves: the
 keys in its cache matched back to their prefill positions (score-based presses), or the positions it masks
-(AdaKV presses). Writes results/conformance/conformance.csv and README.md; exits 1 below 100 % identical.
+(AdaKV presses). Each case is the config as composed (``profile=kvpress``'s selection, ``preset=criticalkv``'s
+windows), no knob set by hand but the settings'. Tie cells: the essays' first 1,024 tokens with, in every layer
+before it is compressed, entries 256, 260, ..., below the last 64 made copies of entry 256 (key and value), on both
+sides, so that every scorer's scores tie exactly among them and cuts fall inside the tie: which copies stay is
+then torch.topk's choice, the same only where pcs calls it as kvpress does (kvpress's kept positions are then read
+from the indices its ``gather`` takes, its keys no longer telling copies apart). Writes
+results/conformance/conformance.csv and README.md; exits 1 below 100 % identical, or where a tie cell has no tie.
 """
 from __future__ import annotations
 
@@ -25,32 +31,33 @@ ROOT = Path(__file__).resolve().parent.parent
 LONGBENCH = Path(__file__).resolve().parent / "conformance_data" / "multi_news_first.jsonl"
 FLOOR, SINKS, BETA = 0.2, 4, 20
 SETTINGS = {"w32_k7": (32, 7), "kvpress_defaults": (64, 5)}
-# pcs method, selection overrides -> the kvpress press (and its parameters) that should keep the same entries.
+SCORERS = {"knorm": "KnormPress", "keydiff": "KeyDiffPress", "tova": "TOVAPress",
+           "expected_attention": "ExpectedAttentionPress", "observed_attention": "ObservedAttentionPress"}
+# kvpress's AdaKV presses refuse an eager prefill, which ObservedAttentionPress reads: no AdaKV over it.
+WRAPPED = {"adakv": [s for s in SCORERS if s != "observed_attention"], "criticalkv": list(SCORERS),
+           "criticaladakv": [s for s in SCORERS if s != "observed_attention"]}
+# pcs method, overrides -> the kvpress press (and its parameters) that should keep the same entries, as composed:
+# profile=kvpress's selection is attention; preset=criticalkv sets the press's window (none over a scorer).
 CASES = {
-    "snapkv": ("snapkv", ["selection=attention"]),
-    "pyramidkv": ("pyramidkv", ["selection=attention"]),
-    "adakv": ("adakv", ["selection=attention"]),
+    "snapkv": ("snapkv", []),
+    "pyramidkv": ("pyramidkv", []),
+    "adakv": ("adakv", []),
     "streamingllm": ("streamingllm", []),
     "criticalkv": ("snapkv", ["selection=perturbation_released"]),
     "criticalkv_alpha0.25": ("snapkv", ["selection=perturbation_released", "selection.alpha=0.25"]),
     "criticaladakv": ("adakv", ["selection=perturbation_released"]),
-    "knorm": ("knorm", ["selection=attention"]),
-    "keydiff": ("keydiff", ["selection=attention"]),
-    "tova": ("tova", ["selection=attention"]),
-    "adakv_knorm": ("adakv", ["selection=attention", "method.scorer=knorm", "method.window=0"]),
-    "criticalkv_knorm": ("knorm", ["preset=criticalkv"]),
-    "criticalkv_tova": ("tova", ["preset=criticalkv"]),
-    "criticaladakv_keydiff": ("adakv", ["selection=perturbation_released", "method.scorer=keydiff",
-                                        "method.window=0"]),
-    "expected_attention": ("expected_attention", ["selection=attention"]),
-    "observed_attention": ("observed_attention", ["selection=attention"]),
-    "adakv_expected_attention": ("adakv", ["selection=attention", "method.scorer=expected_attention",
-                                           "method.window=0"]),
-    "criticalkv_expected_attention": ("expected_attention", ["preset=criticalkv"]),
-    "criticalkv_observed_attention": ("observed_attention", ["preset=criticalkv"]),
+    **{s: (s, []) for s in SCORERS},
+    # AdaKVPress over a press has its window (none; TOVAPress: the newest entry), not method=adakv's 32
+    **{f"adakv_{s}": ("adakv", [f"method.scorer={s}", f"method.window={int(s == 'tova')}"]) for s in WRAPPED["adakv"]},
+    **{f"criticalkv_{s}": (s, ["preset=criticalkv"]) for s in WRAPPED["criticalkv"]},
+    **{f"criticaladakv_{s}": ("adakv", ["preset=criticalkv", f"method.scorer={s}"]) for s in WRAPPED["criticaladakv"]},
 }
-SCORERS = ("knorm", "keydiff", "tova", "expected_attention", "observed_attention")
 EAGER = {"observed_attention", "criticalkv_observed_attention"}   # kvpress reads an eager prefill's weights
+# Tie cells: entries start, start + step, ... below n - below become copies of entry start, in every layer.
+TIE_PROMPT, TIE_COPIES = "essays_1024_copies", (256, 64, 4)
+# Observed attention reads the prefill's attention weights, computed before the copies are made (and a later copy
+# is seen by fewer queries: no tie), so its cases have no tie cells.
+TIE_CASES = [c for c in CASES if c not in EAGER and (c in SCORERS or c.split("_", 1)[-1] in SCORERS)]
 # Negative controls: each scorer case with one of its press's conventions changed, which must keep other entries
 # somewhere (a comparison that cannot fail would show nothing).
 CONTROLS = {
@@ -59,27 +66,22 @@ CONTROLS = {
     "tova": ["method=snapkv", "method.window=1", "method.kernel=1"],   # each KV head's own query heads averaged,
                                                                        # where TOVAPress averages all of them
     "adakv_knorm": ["method.floor=0"],                # no per-head safeguard: AdaKVPress's alpha_safeguard is 0.2
-    "criticalkv_knorm": ["selection.alpha=0.25"],     # a quarter of the budget in stage 1: first_stage_ratio is 0.5
-    "criticalkv_tova": ["selection.alpha=0.25"],
-    "criticaladakv_keydiff": ["selection.alpha=0.25"],
     "expected_attention": ["method.window=16"],
     "observed_attention": ["method.window=16"],
-    "adakv_expected_attention": ["method.floor=0"],
-    "criticalkv_expected_attention": ["selection.alpha=0.25"],
-    "criticalkv_observed_attention": ["selection.alpha=0.25"],
+    **{f"adakv_{s}": ["method.floor=0"] for s in WRAPPED["adakv"] if s not in ("knorm", "tova")},
+    # TOVA ranks alike in every KV head, so AdaKV's safeguard changes nothing: each KV head's own query heads instead
+    "adakv_tova": ["method.scorer=window_attention", "method.kernel=1"],
+    # a quarter of the budget in stage 1: first_stage_ratio is 0.5
+    **{f"critical{w}_{s}": ["selection.alpha=0.25"] for w in ("kv", "adakv") for s in WRAPPED[f"critical{w}"]},
 }
 SCORED = {case for case, (method, overrides) in CASES.items()          # no window attention, no pooling
           if method in SCORERS or any(o.startswith("method.scorer=") for o in overrides)}
+WRAPPERS = {"adakv": "AdaKVPress", "criticalkv": "CriticalKVPress", "criticaladakv": "CriticalAdaKVPress"}
 PRESSES = {"snapkv": "SnapKVPress", "pyramidkv": "PyramidKVPress", "adakv": "AdaKVPress",
            "streamingllm": "StreamingLLMPress", "criticalkv": "CriticalKVPress(SnapKVPress)",
            "criticalkv_alpha0.25": "CriticalKVPress(SnapKVPress, first_stage_ratio=0.25)",
-           "criticaladakv": "CriticalAdaKVPress(SnapKVPress)", "knorm": "KnormPress", "keydiff": "KeyDiffPress",
-           "tova": "TOVAPress", "adakv_knorm": "AdaKVPress(KnormPress)", "criticalkv_knorm": "CriticalKVPress(KnormPress)",
-           "criticalkv_tova": "CriticalKVPress(TOVAPress)", "criticaladakv_keydiff": "CriticalAdaKVPress(KeyDiffPress)",
-           "expected_attention": "ExpectedAttentionPress", "observed_attention": "ObservedAttentionPress",
-           "adakv_expected_attention": "AdaKVPress(ExpectedAttentionPress)",
-           "criticalkv_expected_attention": "CriticalKVPress(ExpectedAttentionPress)",
-           "criticalkv_observed_attention": "CriticalKVPress(ObservedAttentionPress)"}
+           "criticaladakv": "CriticalAdaKVPress(SnapKVPress)", **SCORERS,
+           **{f"{w}_{s}": f"{WRAPPERS[w]}({SCORERS[s]})" for w, scorers in WRAPPED.items() for s in scorers}}
 
 
 # ---- kvpress side (runs in kvpress's environment; imports nothing from pcs) ----
@@ -101,20 +103,46 @@ def kvpress_press(case: str, ratio: float, window: int, kernel: int):
         return kvpress.CriticalKVPress(scorer, first_stage_ratio=0.25)
     if case == "criticaladakv":
         return kvpress.CriticalAdaKVPress(scorer, alpha_safeguard=FLOOR)
-    scorers = {"knorm": kvpress.KnormPress, "keydiff": kvpress.KeyDiffPress, "tova": kvpress.TOVAPress,
-               "expected_attention": kvpress.ExpectedAttentionPress,
-               "observed_attention": kvpress.ObservedAttentionPress}
-    if case in scorers:
-        return scorers[case](compression_ratio=ratio)
-    if case == "adakv_expected_attention":
-        return kvpress.AdaKVPress(kvpress.ExpectedAttentionPress(compression_ratio=ratio), alpha_safeguard=FLOOR)
-    if case.startswith("criticalkv_") and case[len("criticalkv_"):] in scorers:
-        return kvpress.CriticalKVPress(scorers[case[len("criticalkv_"):]](compression_ratio=ratio))
-    if case == "adakv_knorm":
-        return kvpress.AdaKVPress(kvpress.KnormPress(compression_ratio=ratio), alpha_safeguard=FLOOR)
-    if case == "criticaladakv_keydiff":
-        return kvpress.CriticalAdaKVPress(kvpress.KeyDiffPress(compression_ratio=ratio), alpha_safeguard=FLOOR)
-    raise ValueError(case)
+    if case in SCORERS:
+        return getattr(kvpress, SCORERS[case])(compression_ratio=ratio)
+    wrapper, _, scorer = case.partition("_")
+    if wrapper not in WRAPPED or scorer not in WRAPPED[wrapper]:
+        raise ValueError(case)
+    inner = getattr(kvpress, SCORERS[scorer])(compression_ratio=ratio)
+    if wrapper == "criticalkv":
+        return kvpress.CriticalKVPress(inner)
+    return getattr(kvpress, WRAPPERS[wrapper])(inner, alpha_safeguard=FLOOR)
+
+
+def copies(n: int) -> tuple[int, int, int]:
+    """The tie cells' copied entries of an n-token layer: (source, stop, step) of ``source::step`` below stop."""
+    start, below, step = TIE_COPIES
+    return start, n - below, step
+
+
+def duplicating_kvpress(press, n: int, gathered: dict) -> None:
+    """``press`` compressing each layer with the tie cells' copies made first (kvpress side), the positions its
+    ``ScorerPress.compress`` gathers recorded per layer in ``gathered`` (copies have the same key: the cache cannot
+    say which stayed)."""
+    import torch
+    compress, (start, stop, step) = press.compress, copies(n)
+
+    def duplicated(module, hidden_states, keys, values, attentions, kwargs):
+        keys, values = keys.clone(), values.clone()
+        keys[:, :, start:stop:step] = keys[:, :, start:start + 1]
+        values[:, :, start:stop:step] = values[:, :, start:start + 1]
+        gather = torch.Tensor.gather
+
+        def recording(tensor, dim, index, *args, **kw):
+            if tensor is keys and dim == 2:
+                gathered[module.layer_idx] = index[0, :, :, 0].tolist()
+            return gather(tensor, dim, index, *args, **kw)
+        torch.Tensor.gather = recording
+        try:
+            return compress(module, hidden_states, keys, values, attentions, kwargs)
+        finally:
+            torch.Tensor.gather = gather
+    press.compress = duplicated
 
 
 def kvpress_worker(model_dir: str) -> None:
@@ -143,6 +171,9 @@ def kvpress_worker(model_dir: str) -> None:
                 model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
                 full = {key: [layer.keys[0] for layer in cache.layers]}
             press = kvpress_press(request["case"], request["ratio"], request["window"], request["kernel"])
+            gathered = {}
+            if request.get("copies"):
+                duplicating_kvpress(press, len(request["ids"]), gathered)
             cache = DynamicCache()
             with press(model):
                 model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -154,6 +185,8 @@ def kvpress_worker(model_dir: str) -> None:
                 keep = torch.ones(n_heads, n, dtype=torch.bool)
                 keep[masked[1].cpu(), masked[2].cpu()] = False
                 kept.append([torch.nonzero(k).flatten().tolist() for k in keep])
+            elif request.get("copies"):
+                kept.append([sorted(h) for h in gathered[layer_idx]])
             else:
                 heads = []
                 for h in range(n_heads):
@@ -196,6 +229,7 @@ class KvpressWorker:
 
 
 TIES = []   # cuts, in the current cell, where a kept and an evicted entry score the same
+SPLIT = []  # (layer, KV head) pairs, in the current tie cell, whose copies are split (a cut inside their tie)
 
 
 def counting_ties(conventions):
@@ -216,6 +250,32 @@ def counting_ties(conventions):
 
     return CountingTies(**asdict(conventions))
 
+
+class Duplicated:
+    """A pcs method choosing in each layer with the tie cells' copies made first; counts in ``TIES`` the (layer, KV
+    head) pairs whose copies it splits (some kept, some evicted: a cut inside their tie, whichever stage's)."""
+
+    def __init__(self, method):
+        self.inner = method
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def for_prompt(self, n_tokens: int):
+        return Duplicated(self.inner.for_prompt(n_tokens))
+
+    def keep(self, layer):
+        import dataclasses
+        start, stop, step = copies(layer.n_tokens)
+        keys, values = layer.keys.clone(), layer.values.clone()
+        keys[:, start:stop:step] = keys[:, start:start + 1]
+        values[:, start:stop:step] = values[:, start:start + 1]
+        kept = self.inner.keep(dataclasses.replace(layer, keys=keys, values=values, shared=None))
+        group = set(range(start, stop, step))
+        for head in kept or []:
+            SPLIT.append(0 < len(group & set(head.tolist())) < len(group))
+        return kept
+
 def prompts(tokenizer, lengths: list[int]) -> dict[str, list[int]]:
     from pcs.benchmarks.needle import Haystack, essay_files
     essays = Haystack(tokenizer, essay_files(None), "").tokens
@@ -229,8 +289,10 @@ def prompts(tokenizer, lengths: list[int]) -> dict[str, list[int]]:
     return out
 
 
-def pcs_kept(model, ids: list[int], case: str, budget: int, window: int, kernel: int, changed=()) -> list:
-    """What pcs keeps for ``case`` (``changed``: overrides after the case's own, a negative control's)."""
+def pcs_kept(model, ids: list[int], case: str, budget: int, window: int, kernel: int, changed=(),
+             tie: bool = False) -> list:
+    """What pcs keeps for ``case`` (``changed``: overrides after the case's own, a negative control's; ``tie``: with
+    the tie cells' copies)."""
     import torch
     from pcs.config import compose
     from pcs.eviction import build_method
@@ -251,7 +313,8 @@ def pcs_kept(model, ids: list[int], case: str, budget: int, window: int, kernel:
     if hasattr(method, "conventions"):
         method.conventions = counting_ties(method.conventions)
     TIES.clear()
-    kept = run_prefill(model, torch.tensor([ids]), {"m": method}).kept["m"]
+    SPLIT.clear()
+    kept = run_prefill(model, torch.tensor([ids]), {"m": Duplicated(method) if tie else method}).kept["m"]
     n, heads = len(ids), model.config.num_key_value_heads
     return [[list(range(n))] * heads if layer is None else [sorted(h.tolist()) for h in layer] for layer in kept]
 
@@ -279,11 +342,21 @@ def compare(args) -> list[dict]:
                                             pcs_kept(model, ids, case, budget, window, kernel, CONTROLS[case]), theirs)
                         rows[-1]["control_identical"] = control["identical"]
                     print(format_row(rows[-1]), flush=True)
+    if args.ties:
+        ids = prompts(tokenizer, [1024])["essays_1024"]
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        for budget in args.budgets:
+            for case in [c for c in args.cases if c in TIE_CASES]:
+                theirs = worker.ask({"ids": ids, "case": case, "ratio": kvpress_ratio(budget, len(ids)),
+                                     "window": 32, "kernel": 7, "copies": True})["kept"]   # read by no scorer
+                ours = pcs_kept(model, ids, case, budget, 32, 7, tie=True)
+                rows.append(summarize(TIE_PROMPT, len(ids), "w32_k7", budget, case, ours, theirs, sum(SPLIT)))
+                print(format_row(rows[-1]), flush=True)
     worker.close()
     return rows
 
 
-def summarize(prompt, n, setting, budget, case, ours, theirs) -> dict:
+def summarize(prompt, n, setting, budget, case, ours, theirs, ties: int | None = None) -> dict:
     pairs = [(set(a), set(b)) for la, lb in zip(ours, theirs, strict=True) for a, b in zip(la, lb, strict=True)]
     identical = sum(a == b for a, b in pairs)
     jaccard = sum(len(a & b) / len(a | b) for a, b in pairs) / len(pairs)
@@ -291,7 +364,7 @@ def summarize(prompt, n, setting, budget, case, ours, theirs) -> dict:
             "kvpress": PRESSES[case], "pairs": len(pairs), "identical": identical,
             "identical_pct": round(100 * identical / len(pairs), 2), "jaccard": round(jaccard, 6),
             "kept_pcs": sum(len(a) for a, _ in pairs), "kept_kvpress": sum(len(b) for _, b in pairs),
-            "ties_at_cut": sum(TIES), "control_identical": None}
+            "ties_at_cut": sum(TIES) if ties is None else ties, "control_identical": None}
 
 
 def format_row(r: dict) -> str:
@@ -334,6 +407,7 @@ def write(rows: list[dict], out: Path, merged: bool = False) -> None:
              "| pcs | kvpress press | cells | identical | min Jaccard | entries kept (pcs / kvpress) | ties at the cut "
              "| negative control: identical |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
+    tied, rows = [r for r in rows if r["prompt"] == TIE_PROMPT], [r for r in rows if r["prompt"] != TIE_PROMPT]
     for case in [c for c in CASES if any(r["pcs"] == c for r in rows)]:
         mine = [r for r in rows if r["pcs"] == case]
         share = 100 * sum(r["identical"] for r in mine) / sum(r["pairs"] for r in mine)
@@ -343,6 +417,17 @@ def write(rows: list[dict], out: Path, merged: bool = False) -> None:
         lines.append(f"| {case} | {PRESSES[case]} | {len(mine)} | {share:.2f} % | {min(r['jaccard'] for r in mine):.4f} | "
                      f"{sum(r['kept_pcs'] for r in mine)} / {sum(r['kept_kvpress'] for r in mine)} | "
                      f"{sum(r['ties_at_cut'] for r in mine)} | {control} |")
+    if tied:
+        lines += ["", f"Tie cells ({TIE_PROMPT}: entries {TIE_COPIES[0]}, {TIE_COPIES[0] + TIE_COPIES[2]}, ... below "
+                  f"the last {TIE_COPIES[1]} copies of entry {TIE_COPIES[0]} in every layer, on both sides; budgets "
+                  + ", ".join(map(str, sorted({r["budget"] for r in tied}))) + "):", "",
+                  "| pcs | kvpress press | cells | identical | pairs whose copies are split (a cut inside their tie) |",
+                  "|---|---|---:|---:|---:|"]
+        for case in [c for c in CASES if any(r["pcs"] == c for r in tied)]:
+            mine = [r for r in tied if r["pcs"] == case]
+            share = 100 * sum(r["identical"] for r in mine) / sum(r["pairs"] for r in mine)
+            lines.append(f"| {case} | {PRESSES[case]} | {len(mine)} | {share:.2f} % | "
+                         f"{sum(r['ties_at_cut'] for r in mine)} |")
     lines += ["", "Negative control: the share of pairs still identical with one of the press's conventions changed in "
               "pcs (must stay below 100 %: the comparison can fail).", "",
               "Ties at the cut: selections (per head and stage) whose last kept and first evicted entry score the "
@@ -378,9 +463,10 @@ def arguments(doc: str, worker, add_arguments) -> argparse.Namespace | None:
 
 def main() -> int:
     def add_arguments(parser):
-        parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
+        parser.add_argument("--lengths", type=int, nargs="*", default=[1024, 2048])
         parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 640])
         parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+        parser.add_argument("--no-ties", dest="ties", action="store_false", help="without the tie cells")
         parser.add_argument("--merge", action="store_true", help="keep the other cases' rows of --out's CSV (after "
                             "a change to some cases, rerun only those)")
     args = arguments(__doc__, kvpress_worker, add_arguments)
@@ -396,7 +482,12 @@ def main() -> int:
              and all(r["control_identical"] == r["pairs"] for r in rows if r["pcs"] == case)]
     if blind:
         print(f"[pcs] negative controls keeping what kvpress keeps in every cell: {', '.join(blind)}")
-    return 1 if below or blind else 0
+    # a tie cell is there to cut inside a tie: one whose every budget splits no copies shows nothing
+    untied = sorted({r["pcs"] for r in rows if r["prompt"] == TIE_PROMPT}
+                    - {r["pcs"] for r in rows if r["prompt"] == TIE_PROMPT and r["ties_at_cut"]})
+    if untied:
+        print(f"[pcs] tie cells without a tie at any budget: {', '.join(untied)}")
+    return 1 if below or blind or untied else 0
 
 
 if __name__ == "__main__":

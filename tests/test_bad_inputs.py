@@ -43,7 +43,7 @@ def knob_cases() -> list[tuple[list[str], str]]:
                 for bad in [low - 1] + ([high + 1] if high is not None else []):
                     cases.append((choose + [f"{group}.{key}={[bad] if listed else bad}"], f"{group}.{key}="))
             if group == "profile":       # conventions: each checked by pcs.eviction.conventions
-                for key in [k for k in own if not is_declaration(k) and k != "name"]:
+                for key in [k for k in own if not is_declaration(k) and k not in ("name", "defaults")]:
                     cases.append((choose + [f"profile.{key}=bogus"], f"profile.{key}='bogus'"))
         for option in options(group)[:2]:
             cases.append(([f"{group}={option}x"], f"{group}={option}x"))

@@ -215,22 +215,43 @@ def test_expected_attention_in_a_prefill_reads_the_queries_before_rotary_and_the
 
 
 def method(*overrides):
-    return build_method(compose(["profile=kvpress", "selection=attention", *overrides]))
+    return build_method(compose(["profile=kvpress", *overrides]))     # its selection: attention
 
 
 SCORED = ["knorm", "keydiff", "tova", "expected_attention", "observed_attention"]
 
 
-@pytest.mark.parametrize("name", SCORED)
-def test_a_scorer_method_keeps_the_top_of_its_scores_per_head(name):
+@pytest.mark.parametrize("name,ties", [(name, False) for name in SCORED] + [("tova", True)])
+def test_a_scorer_method_keeps_the_top_of_its_scores_per_head(name, ties):
     """kvpress 0.5.5 presses/scorer_press.py lines 94-101 (compression_ratio from the budget,
-    ``conventions.kvpress_ratio``): each KV head keeps the ``budget`` entries its press's scores rank highest."""
-    layer, budget = prompt_layer(3), 20
+    ``conventions.kvpress_ratio``): each KV head keeps the ``budget`` entries its press's scores rank highest; with
+    a repeated token, TOVA's one torch.topk over the row, its newest entry padded in, decides which copies stay
+    (a top-k of the prefix alone, one fewer, keeps others at budget 28 for seed 0), and pcs's does the same."""
+    layer, budget = (repeated(prompt_layer(0)), 28) if ties else (prompt_layer(3), 20)
+    assert not ties or tie_at_cut(getattr(scorers, name)(layer)[:1], budget)
     kept = method(f"method={name}", f"budget={budget}").keep(layer)
     scores = getattr(scorers, name)(layer)
     for head, got in zip(scores, kept):
         assert got.tolist() == sorted(head.topk(budget).indices.tolist())
     assert all(layer.n_tokens - 1 in got.tolist() for got in kept) or name != "tova"
+
+
+def test_a_windowed_cut_breaks_ties_in_the_row_or_in_the_prefix_as_its_profile_says():
+    """TOVA (window: the newest entry) on a repeated token at budget 28 (seed 0), where the two cuts keep other
+    copies: ``window_cut=in_row`` keeps what one torch.topk of ``budget`` over the row keeps (kvpress's
+    ScorerPress.compress), ``apart`` what torch.topk of ``budget - 1`` over the prefix keeps beside the newest entry
+    (KVCache-Factory's and official AdaKV's ``attn_cache.topk(max_capacity_prompt - window_size)``, their profiles'
+    reading)."""
+    layer, budget = repeated(prompt_layer(0)), 28
+    scores = scorers.tova(layer)
+    row = [sorted(head.topk(budget).indices.tolist()) for head in scores]
+    prefix = [sorted(head[:-1].topk(budget - 1).indices.tolist() + [layer.n_tokens - 1]) for head in scores]
+    assert row != prefix
+    for cut, expected in (("in_row", row), ("apart", prefix)):
+        got = method("method=tova", f"budget={budget}", f"profile.window_cut={cut}").keep(layer)
+        assert [g.tolist() for g in got] == expected, cut
+    assert [compose([f"profile={p}"]).profile.window_cut for p in ("kvpress", "kvcache_factory", "adakv")] == \
+        ["in_row", "apart", "apart"]
 
 
 def vwl1norm(layer):
@@ -301,6 +322,67 @@ def test_adakv_over_a_scorer_keeps_what_adakvpress_keeps(name, ties):
     for head, got in zip(held.view(h_kv, n), kept):
         assert got.tolist() == head.nonzero().flatten().tolist()
     assert sum(len(got) for got in kept) == h_kv * budget and (ties or len({len(got) for got in kept}) > 1)
+
+
+def test_the_criticalkv_preset_gives_every_scorer_its_own_window():
+    """``preset_press/criticalkv_snapkv.yaml`` sets SnapKVPress's window 64 over the window's attention and each
+    scorer's own window over a scorer (``scorers.SCORERS``: none, TOVA's newest entry), for SnapKV, PyramidKV and
+    AdaKV alike; a scorer added without its window there would fail to compose."""
+    from pcs.config import group_file
+    assert set(group_file("preset_press", "criticalkv_snapkv")._press_window_) == set(scorers.SCORERS)
+    for method_name in ("snapkv", "pyramidkv", "adakv"):
+        for name, scorer in scorers.SCORERS.items():
+            cfg = compose(["preset=criticalkv", f"method={method_name}", f"method.scorer={name}"])
+            assert cfg.method.window == (64 if name == "window_attention" else scorer.window or 0)
+
+
+def kvpress_criticaladakv_kept(scores: torch.Tensor, norms: torch.Tensor, budget: int) -> list[list[int]]:
+    """kvpress 0.5.5 presses/criticalkv_press.py lines 150-200 (``CriticalAdaKVPress.compress``, alpha_safeguard 0.2,
+    first_stage_ratio 0.5, epsilon 1e-4), transcribed for one sequence: the kept positions per KV head."""
+    largest = torch.finfo(scores.dtype).max
+    scores, norms = scores.clone()[None], norms[None]
+    bsz, h_kv, k_len = scores.shape
+    top = torch.topk(scores, max(1, int(budget * 0.2)), dim=-1).indices
+    scores.scatter_(-1, top, largest)
+    budget_scores = scores.scatter(-1, top, largest).reshape(bsz, -1)
+    heads = torch.topk(budget_scores, budget * h_kv, dim=-1).indices // k_len
+    heads = heads.flatten()
+    head_budgets = torch.zeros(h_kv, dtype=torch.int64).scatter_add_(0, heads, torch.ones_like(heads))
+    first = (head_budgets * 0.5).to(torch.int64).tolist()
+    order = torch.topk(scores, max(first), sorted=True, dim=-1).indices
+    for h in range(h_kv):
+        scores[:, h, :].scatter_(-1, order[:, h, :first[h]], largest)
+    scores = (scores + 1e-4) * norms
+    order = torch.topk(scores, max(head_budgets), sorted=True, dim=-1).indices
+    for h in range(h_kv):
+        scores[:, h, :].scatter_(-1, order[:, h, :head_budgets[h]], largest)
+    pruned = torch.topk(-scores.reshape(bsz, -1), h_kv * (k_len - budget), dim=1).indices.flatten()
+    held = torch.ones(h_kv * k_len, dtype=torch.bool)
+    held[pruned] = False
+    return [head.nonzero().flatten().tolist() for head in held.view(h_kv, k_len)]
+
+
+# With a repeated token, budgets at which stage 2's own top-k after stage 1 (pcs before it replayed kvpress's
+# safeguard, stage-1 and stage-2 top-k) keeps other copies than CriticalAdaKVPress.
+TIED_CRITICAL_ADAKV = {"knorm": 12, "keydiff": 30, "tova": 22, "expected_attention": 22}
+
+
+@pytest.mark.parametrize("name,ties", [(name, False) for name in SCORED]
+                         + [(name, True) for name in TIED_CRITICAL_ADAKV])
+def test_criticaladakv_over_a_scorer_keeps_what_criticaladakvpress_keeps(name, ties):
+    """``preset=criticalkv method=adakv method.scorer=<scorer>``: no window but the scorer's own (CriticalAdaKVPress
+    over the scorer's press has no SnapKVPress window), and the entries kvpress 0.5.5's CriticalAdaKVPress keeps, its
+    safeguard's, stage 1's and stage 2's top-k each called as there, so that with a repeated token (ties at a cut)
+    the same copies stay."""
+    layer, budget = prompt_layer(5, h_kv=4, h_q=8), (TIED_CRITICAL_ADAKV[name] if ties else 20)
+    if ties:
+        layer = repeated(layer)
+    cfg = compose(["preset=criticalkv", "method=adakv", f"method.scorer={name}", f"budget={budget}"])
+    validate(cfg)
+    assert cfg.method.window == (1 if name == "tova" else 0)
+    kept = build_method(cfg).keep(layer)
+    assert [got.tolist() for got in kept] == kvpress_criticaladakv_kept(getattr(scorers, name)(layer), vwl1norm(layer),
+                                                                         budget)
 
 
 def test_pooled_decoding_over_scorers_gives_batch_one_tokens():

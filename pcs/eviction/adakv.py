@@ -2,11 +2,14 @@
 top-k over all heads' scores, so budgets vary per head."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from ..upload import upload
 from .scores import positions
+from .stage2_search import Stage2
 from .window import WindowEviction
 
 
@@ -55,6 +58,36 @@ def kvpress_kept(scores: torch.Tensor, budget: int, window: int, safeguard: floa
     return kept.view(n_kv_heads, -1)[:, :n_prefix]
 
 
+def kvpress_critical_kept(scores: torch.Tensor, norms: torch.Tensor, budget: int, window: int, head_budgets: list[int],
+                          safeguard: float, first_stage_ratio: float, epsilon: float) -> torch.Tensor:
+    """(H_kv, n) the entries kvpress 0.5.5's ``CriticalAdaKVPress.compress`` keeps (criticalkv_press.py lines 150-200),
+    from its press's (H_kv, n - window) prefix scores (the window scoring max + 1, as SnapKVPress and TOVAPress pad
+    it), ``norms`` (H_kv, n) the group mean of ``||v W^O_h||_1`` of every entry (``vwl1norm``), and the heads' budgets,
+    window included (lines 166-171: ``kvpress_budgets``' top-k, plus the window). Each top-k is kvpress's own, over
+    the same tensor with the same k: the safeguard (lines 155-159), stage 1 (174-178), stage 2 (181-186), then one
+    bottom-k over the layer (193-194), so that ties at every cut fall as they fall there."""
+    largest = torch.finfo(scores.dtype).max
+    n_kv_heads = scores.shape[0]
+    row = torch.cat([scores, (scores.max() + 1).expand(n_kv_heads, window)], dim=1)
+    n_safe = max(1, int(budget * safeguard)) if safeguard > 0 else 0
+    row = row.scatter(-1, row.topk(n_safe, dim=-1).indices, largest)
+    first = (torch.tensor(head_budgets) * first_stage_ratio).to(torch.int64).tolist()   # line 174, on the host
+    row = marked(row, first, largest)
+    row = marked((row + epsilon) * norms, head_budgets, largest)
+    pruned = (-row).flatten().topk(n_kv_heads * (row.shape[1] - budget)).indices
+    return torch.ones(row.numel(), dtype=torch.bool, device=row.device).scatter_(0, pruned, False).view(n_kv_heads, -1)
+
+
+def marked(row: torch.Tensor, counts: list[int], value: float) -> torch.Tensor:
+    """``row`` with each head's first ``counts[h]`` entries of one sorted torch.topk of the largest count set to
+    ``value`` (criticalkv_press.py lines 175-178 and 183-186)."""
+    if not max(counts):
+        return row
+    order = row.topk(max(counts), dim=-1, sorted=True).indices
+    first = torch.arange(order.shape[1], device=row.device) < upload(counts, row.device)[:, None]
+    return row.masked_fill(torch.zeros_like(row, dtype=torch.bool).scatter_(1, order, first), value)
+
+
 def official_budgets(scores: torch.Tensor, budget: int, window: int, floor: float) -> torch.Tensor:
     """The official AdaKV allocation (FFY0/AdaKV ``AdaptiveSnapKVCluster.update_kv_gqa``): with
     ``B = budget - window``, head h wins ``count_h`` of the layer-wide top ``H x B`` and keeps
@@ -94,16 +127,47 @@ class AdaKV(WindowEviction):
         return 0
 
     def keep(self, layer):
-        """As every window method keeps, but for kvpress's conventions with attention alone, where the layer's
-        entries are pruned as ``AdaKVPress`` prunes them (``kvpress_kept``: the same entries, ties included)."""
-        replay = self.conventions.adakv_allocation == "kvpress" and self.conventions.ties == "topk"
-        if not replay or self.two_stage or self.conventions.gqa == "per_query_head":
+        """As every window method keeps, but for kvpress's conventions, where the layer's entries are pruned as
+        ``AdaKVPress`` prunes them (attention alone: ``kvpress_kept``) or as ``CriticalAdaKVPress`` does (the
+        released selection: ``kvpress_critical_kept``): the same entries, ties included."""
+        if not self.replays_kvpress(layer):
             return super().keep(layer)
         planned = self.plan(layer)
         if planned is None:
             return None
-        kept = kvpress_kept(planned[0].stage1, self.budget, self.window, self.floor)
-        return positions(kept, kept.sum(dim=1).tolist(), self.window)
+        ws, budgets = planned
+        if not self.two_stage:
+            kept = kvpress_kept(ws.stage1, self.budget, self.window, self.floor)
+            return positions(kept, kept.sum(dim=1).tolist(), self.window)
+        kept = kvpress_critical_kept(ws.stage1, self.value_norms(layer, ws), self.budget, self.window,
+                                     [b + self.window for b in budgets], self.floor, self.selection.alpha,
+                                     self.selection.epsilon)
+        return positions(kept, kept.sum(dim=1).tolist())
+
+    def replays_kvpress(self, layer) -> bool:
+        """Whether the layer is chosen as kvpress's AdaKVPress or CriticalAdaKVPress chooses it: kvpress's allocation
+        and tie rule, a budget per KV head, and for two stages kvpress's (its stage-1 size, the scores plus epsilon
+        times the group's mean norm) over a scorer (KnormPress, ...: whose scores tie exactly on repeated tokens), on
+        unpadded heads. Over the window's pooled attention stage 2 keeps its bounded search (``engine.stage2``), which
+        needs the norms of the entries that may make the cut only: the same entries but for exact ties."""
+        c, s = self.conventions, self.selection
+        if c.adakv_allocation != "kvpress" or c.ties != "topk" or c.gqa == "per_query_head":
+            return False
+        return not self.two_stage or (self.scorer != "window_attention" and c.stage1 == "budget"
+                                      and layer.pad is None and s.stage2_source == "pooled"
+                                      and s.gqa == "product_of_means")
+
+    def value_norms(self, layer, ws) -> torch.Tensor:
+        """(H_kv, n) the group mean of ``||v W^O_h||_1`` of every entry, the window's too
+        (``CriticalKVPress.vwl1norm``), as stage 2 computes them (an entry's norm is the same bits whichever entries
+        are asked for), counted as a stage 2 that scores every entry."""
+        rows, n = ws.stage1.shape[0], layer.n_tokens
+        blank = ws.stage1.new_zeros(rows, n)
+        whole = dataclasses.replace(ws, mean_attention=blank, pooled_attention=blank, stage1=blank,
+                                    prefix_values=layer.values, window=0, valid=None)
+        if layer.work is not None:
+            layer.work.add_every_entry_layer(rows, n - self.window)
+        return Stage2(self.selection, whole, blank.bool(), [0] * rows).norms().mean(dim=-2)
 
     def prefix_budgets(self, layer, stage1_scores):
         rule = self.conventions.adakv_allocation

@@ -23,6 +23,7 @@ CHOICES = {
     "adakv_allocation": ("largest_remainder", "kvpress", "official"),
     "pyramid_budgets": ("steps", "kvcache_factory", "kvpress"),
     "ties": ("earlier", "topk"),
+    "window_cut": ("apart", "in_row"),
     "gqa": ("pool_then_mean", "mean_then_pool", "per_query_head"),
     "l1_norm": ("abs_sum", "torch_norm"),
 }
@@ -35,6 +36,11 @@ class Conventions:
     adakv_allocation: str = "largest_remainder"
     pyramid_budgets: str = "steps"
     ties: str = "earlier"
+    # Under ``ties=topk``, how attention alone cuts a windowed row: ``apart``, one top-k of the prefix, the window
+    # kept beside it (KVCache-Factory's and official AdaKV's SnapKV) | ``in_row``, one top-k over the whole row with
+    # the window scored above every entry (kvpress's ScorerPress.compress over SnapKVPress's or TOVAPress's max + 1
+    # padding). The same entries but for ties at the cut, which torch.topk breaks by the row it is given.
+    window_cut: str = "apart"
     # A KV head's scores: its query heads' pooled scores averaged | averaged, then pooled | none: every query
     # head keeps its own budget of its KV head's entries (official AdaKV's gqa_support=False).
     gqa: str = "pool_then_mean"

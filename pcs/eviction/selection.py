@@ -43,8 +43,15 @@ class AttentionSelection:
 
     def select(self, budgets: list[int], ws: WindowScores, tail: int = 0) -> list[torch.Tensor]:
         """Per row, the ascending positions of its top ``budgets[r]`` prefix entries, then of the ``tail`` entries
-        after the prefix that every row keeps (``positions``)."""
+        after the prefix that every row keeps (``positions``). Under ``ties=topk`` and ``window_cut=in_row`` with a
+        budget shared by every row, one torch.topk of ``budget + tail`` over the row with the tail at the largest
+        float, as kvpress's ``ScorerPress.compress`` takes it over its press's scores (the window padded at the
+        maximum plus one): the same entries as a top-k of the prefix alone, but for ties at the cut."""
         budgets = [min(b, ws.stage1.shape[1]) for b in budgets]
+        c = ws.conventions
+        if c.ties == "topk" and c.window_cut == "in_row" and tail and len(set(budgets)) == 1:
+            nothing_first = torch.zeros_like(ws.stage1, dtype=torch.bool)
+            return positions(one_cut(nothing_first, ws.stage1, budgets[0], tail), budgets, tail)
         ks = upload(budgets, ws.stage1.device)
         return positions(ws.conventions.top_mask(ws.stage1, ks, budgets), budgets, tail)
 

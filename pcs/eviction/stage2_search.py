@@ -42,6 +42,12 @@ class Stage2Work:
         """A layer in which ``heads`` rows of ``m`` prefix entries chose by stage 2."""
         self.heads, self.entries, self.layers = self.heads + heads, self.entries + m * heads, self.layers + 1
 
+    def add_every_entry_layer(self, heads: int, m: int) -> None:
+        """A layer in which stage 2 computed the norm of every one of its ``heads`` rows' ``m`` prefix entries."""
+        self.add_layer(heads, m)
+        self.exact, self.every_entry, self.every_entry_layers = (self.exact + m * heads, self.every_entry + m * heads,
+                                                                 self.every_entry_layers + 1)
+
     @property
     def exact_share(self) -> float:
         return self.exact / self.entries if self.entries else 0.0
@@ -185,10 +191,7 @@ class Stage2:
             live = sum(k > 0 for k in self.counts)
             if not live:            # nothing to choose: no work, as the bounded search counts it
                 return torch.full((self.rows, self.m), float("-inf"), device=self.device)
-            work.add_layer(live, self.m)
-            work.exact += self.m * live
-            work.every_entry += self.m * live
-            work.every_entry_layers += 1
+            work.add_every_entry_layer(live, self.m)
         return self.selection.stage2_scores(self.ws, self.excluded, self.norms())
 
     def spectral_bounds(self) -> torch.Tensor:
