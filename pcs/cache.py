@@ -17,6 +17,8 @@ allocated, room and the padding of shorter heads included.
 """
 from __future__ import annotations
 
+import copy
+
 from contextlib import nullcontext
 from typing import Callable, NamedTuple
 
@@ -97,6 +99,16 @@ class CompressibleLayer(CacheLayerMixin):
                 return self.keys, self.values
             self.fill(self.keys[0], self.values[0], [self.keys.shape[-2]] * self.keys.shape[1])
         return self.append(key_states[0], value_states[0])
+
+    def copy(self) -> CompressibleLayer:
+        """A layer holding the same entries that later writes do not share: its buffers and masks cloned (dense
+        prefill tensors are shared, as ``take`` shares them: no layer writes into them)."""
+        twin = copy.copy(self)
+        twin.lengths = list(self.lengths)
+        for name in ("key_buffer", "value_buffer", "allowed", "next_slot", "next_allowed"):
+            tensor = getattr(self, name)
+            setattr(twin, name, None if tensor is None else tensor.clone())
+        return twin
 
     def take(self, other: CompressibleLayer) -> None:
         """Hold ``other``'s dense prefill entries, shared rather than copied: no layer writes into dense
@@ -389,6 +401,12 @@ class CompressedCache(Cache):
         """The cache for a model's config: its layers' kinds from ``pcs.hybrid.attention_windows``."""
         windows = attention_windows(config)
         return cls(len(windows), room, windows)
+
+    def copy(self) -> CompressedCache:
+        """The same cache, for another question to be fed on (``CompressibleLayer.copy``)."""
+        twin = copy.copy(self)
+        twin.layers = [layer.copy() for layer in self.layers]
+        return twin
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)

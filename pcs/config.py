@@ -40,7 +40,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # profile summed |v W^O_h| as ``abs_sum`` does, and before ``window_cut`` every profile cut a window's prefix
 # ``apart`` (kvpress's profile now sums in torch.norm's order and cuts ``in_row``, another run, so its older runs
 # are not upgraded: they keep their folders and are refused as another run's config on resume).
-ADDED_KNOBS = {("benchmark", "needle"): {"query_aware": True},
+ADDED_KNOBS = {("benchmark", "needle"): {"query_aware": True, "follow_up": 0}, ("benchmark", "ruler"): {"follow_up": 0},
                **{("method", m): {"scorer": "window_attention"} for m in ("snapkv", "adakv", "pyramidkv")},
                **{("profile", p): {"l1_norm": "abs_sum", "window_cut": "apart"}
                   for p in ("paper", "adakv", "kvcache_factory")}}

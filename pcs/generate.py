@@ -59,12 +59,13 @@ def greedy_generate(model, input_ids: torch.Tensor, method: Method, max_new_toke
 Request = tuple[Sample, PromptIds, list[RunContext]]   # a sample, its encoded prompt, the cells still to answer it
 
 
-def settled_test(cell: RunContext, sample: Sample):
-    """With ``engine.stop_when_scored``, the test that ends the cell's answer once its benchmark's score of it is
-    decided (``Benchmark.settled``), on the tokens decoded as the prediction is; otherwise None."""
+def settled_test(cell: RunContext, sample: Sample, question: int = 0):
+    """With ``engine.stop_when_scored``, the test that ends the cell's answer to ``question`` (0: the sample's own,
+    j: its j-th follow-up) once its benchmark's score of it is decided (``Benchmark.settled``), on the tokens
+    decoded as the prediction is; otherwise None."""
     if not (cell.cfg.get("engine") or {}).get("stop_when_scored"):
         return None
-    test = cell.benchmark.settled(sample)
+    test = cell.benchmark.settled(sample, question)
     if test is None:
         return None
     return lambda ids: test(cell.tokenizer.decode(ids, skip_special_tokens=True))
@@ -72,28 +73,43 @@ def settled_test(cell: RunContext, sample: Sample):
 
 def generate_rows(requests: Iterable[Request], pool: DecodePool) -> Iterator[tuple[Sample, int, dict]]:
     """Greedy answers to every request's cells, each yielded as ``(sample, index of the cell in its request,
-    row fields)`` when it finishes: the prediction, sizes and timings (``prefill_s`` is the shared prefill's
-    plus the cell's question; ``decode_s`` the answer's time in the pool)."""
+    row fields)`` once the cell has answered the sample's question and each follow-up: the prediction, sizes
+    and timings (``prefill_s`` is the shared prefill's plus the cell's question; ``decode_s`` the answer's time
+    in the pool), and per follow-up (``follow_ups``, in order, each with the sample's references of it) its own."""
     def arrivals():
         for sample, prompt, cells in requests:
             model, tokenizer = cells[0].model, cells[0].tokenizer
             stops = cells[0].stop_token_ids | {tokenizer.encode(t, add_special_tokens=False)[-1]
                                                for t in sample.stop_texts}
             question = None if prompt.question is None else torch.tensor([prompt.question])
+            asked = range(1 + len(prompt.follow_ups))
             yield Arrival(model, torch.tensor([prompt.context]),
-                          [Cell(c.method, c.cfg.compress.trigger, settled_test(c, sample)) for c in cells],
+                          [Cell(c.method, c.cfg.compress.trigger, tuple(settled_test(c, sample, j) for j in asked))
+                           for c in cells],
                           sample.max_new_tokens, stops, question, sample.min_new_tokens,
-                          owners=[(sample, prompt, cells[0].tokenizer, i) for i in range(len(cells))], name=sample.id)
+                          owners=[(sample, prompt, tokenizer, i, j) for i in range(len(cells)) for j in asked],
+                          name=sample.id, follow_ups=tuple(torch.tensor([ids]) for ids in prompt.follow_ups))
 
+    answered: dict[tuple[str, int], dict[int, dict]] = {}   # a cell's answers to a sample's questions so far
     for seq in decode(pool, arrivals()):
-        sample, prompt, tokenizer, index = seq.owner
+        sample, prompt, tokenizer, index, j = seq.owner
         gen = seq.result
-        yield sample, index, {
+        asked = prompt.question if j == 0 else prompt.follow_ups[j - 1]
+        fields = {
             "prediction": tokenizer.decode(gen.token_ids, skip_special_tokens=True),
             "prompt_tokens": gen.prompt_tokens,
-            "question_tokens": 0 if prompt.question is None else len(prompt.question),
+            "question_tokens": 0 if asked is None else len(asked),
             "new_tokens": len(gen.token_ids),
             "kv_cache_bytes": gen.kv_cache_bytes, "kv_cache_bytes_full": gen.kv_cache_bytes_full,
             "peak_kv_bytes": gen.peak_kv_bytes,
             "max_kv_entries": gen.max_kv_entries, "n_compressions": gen.n_compressions,
             "prefill_s": round(gen.prefill_s, 4), "decode_s": round(gen.decode_s, 4)}
+        if not prompt.follow_ups:
+            yield sample, index, fields
+            continue
+        mine = answered.setdefault((sample.id, index), {})
+        mine[j] = fields
+        if len(mine) == 1 + len(prompt.follow_ups):
+            del answered[(sample.id, index)]
+            ups = [{**up.meta, **mine[k + 1]} for k, up in enumerate(sample.follow_ups)]
+            yield sample, index, {**mine[0], "follow_ups": ups}

@@ -146,6 +146,19 @@ class RunIdentity:
         return "_".join(self.setting_knobs)
 
     @property
+    def protocol(self) -> str | None:
+        """Where the run's questions come, in words: ``question inside`` the compressed prompt, ``question after
+        compression``, and with follow-ups ``+ N follow-ups after compression``; None for a benchmark without a
+        question apart (AlpacaEval, the perturbation analysis). Runs of two protocols answer other questions of
+        the cache, so no table ranks them together."""
+        bench = self.cfg.benchmark
+        if "query_aware" not in bench:
+            return None
+        first = "question inside" if bench.query_aware else "question after compression"
+        n = bench.get("follow_up", 0)
+        return f"{first} + {n} follow-up{'s' if n > 1 else ''} after compression" if n else first
+
+    @property
     def variant(self) -> str:
         """What sets the run apart beyond method, selection and budget (its method's knobs included)."""
         return "_".join(self.method_knobs + self.setting_knobs)

@@ -7,6 +7,13 @@ from typing import NamedTuple
 class PromptIds(NamedTuple):
     context: list[int]                 # prefilled, then compressed
     question: list[int] | None         # fed on the compressed cache, or None
+    follow_ups: tuple[list[int], ...] = ()   # each fed on its own copy of the compressed cache instead
+
+
+def chat_kwargs(model_cfg) -> dict:
+    """The model's own arguments to its chat template (``model.chat_template_kwargs``: Qwen3's
+    ``enable_thinking``)."""
+    return dict(model_cfg.get("chat_template_kwargs") or {})
 
 
 def encode_prompt(tokenizer, text: str, model_cfg, use_chat: bool = True, question: str = "",
@@ -26,7 +33,7 @@ def encode_prompt(tokenizer, text: str, model_cfg, use_chat: bool = True, questi
     chat = bool(model_cfg.chat_template and use_chat and tokenizer.chat_template)
     if chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+                                             add_generation_prompt=True, **chat_kwargs(model_cfg))
     text += ("" if chat else completion_cue) + answer_prefix
     special = special_tokens_after_chat or not chat
     split = text.rfind(question) if question else -1
@@ -35,3 +42,40 @@ def encode_prompt(tokenizer, text: str, model_cfg, use_chat: bool = True, questi
     context = tokenizer(text[:split], add_special_tokens=special).input_ids
     tail = tokenizer(text[split:], add_special_tokens=False).input_ids
     return PromptIds(context, tail)
+
+
+def follow_up_ids(tokenizer, prompt: PromptIds, text: str, model_cfg, follow_ups, use_chat: bool = True,
+                  question: str = "", answer_prefix: str = "", completion_cue: str = "",
+                  reply: str = "") -> tuple[list[int], ...]:
+    """The ids fed after compression for each follow-up ``(question, answer_prefix)`` of a prompt, on a copy of the
+    cache of ``prompt`` (``encode_prompt(text, ...)``'s) compresses. With the prompt's own ``question`` kept out of compression,
+    a follow-up takes its place: the prompt with its question replaced, less the compressed context (which must
+    tokenize alike). With the question inside, a follow-up is the conversation's next turn: the assistant's
+    ``reply`` to the first question (its reference answer, after ``answer_prefix``), then the follow-up as the
+    next user turn (without a chat template: a new paragraph), each follow-up with the same history."""
+    chat = bool(model_cfg.chat_template and use_chat and tokenizer.chat_template)
+    if question and prompt.question is None:
+        raise ValueError("the prompt no longer holds its question: it has no follow-ups")
+    out = []
+    for asked, prefix in follow_ups:
+        if question:
+            own = encode_prompt(tokenizer, text[:text.rfind(question)] + asked, model_cfg, use_chat, asked,
+                                answer_prefix=prefix, completion_cue=completion_cue)
+            if own.context != prompt.context:
+                raise ValueError(f"a follow-up question changes how the context before it tokenizes: {asked!r}")
+            out.append(own.question)
+            continue
+        if chat:
+            turns = [{"role": "user", "content": text}, {"role": "assistant", "content": answer_prefix + reply},
+                     {"role": "user", "content": asked}]
+            render = lambda t: tokenizer.apply_chat_template(t, tokenize=False, add_generation_prompt=True,
+                                                             **chat_kwargs(model_cfg))
+            compressed, whole = render(turns[:1]) + answer_prefix, render(turns) + prefix
+        else:
+            compressed = text + completion_cue + answer_prefix
+            whole = compressed + reply + "\n\n" + asked + completion_cue + prefix
+        if not whole.startswith(compressed):
+            raise ValueError("the model's chat template rewrites the first answer when a turn follows it, so a "
+                             "follow-up cannot continue the compressed prompt: use benchmark.query_aware=false")
+        out.append(tokenizer(whole[len(compressed):], add_special_tokens=False).input_ids)
+    return tuple(out)

@@ -36,8 +36,7 @@ def rescore(run_dir: Path, fuzzy_backend: str | None = None) -> tuple[list[dict]
     rows = read_rows(run_dir / "predictions.jsonl")
     if not rows:
         raise ValueError(f"{run_dir} has no predictions yet")
-    for row in rows:
-        row["score"] = benchmark.score(row)
+    rows = [benchmark.scored(row) for row in rows]
     return rows, benchmark.metrics(rows)
 
 

@@ -173,9 +173,9 @@ def execute(cells: list[Cell], shard: tuple[int, int] = (0, 1)) -> list[dict | N
         try:
             for sample, index, output in step(requests(), pool):
                 cell = asked[sample.id][index]
-                score = cell.benchmark.score({**output, **sample.meta})
-                row = {"id": sample.id, "prediction": output.pop("prediction"), "score": score, **output,
-                       **sample.meta}
+                scored = cell.benchmark.scored({**output, **sample.meta})
+                row = {"id": sample.id, "prediction": scored.pop("prediction"), "score": scored.pop("score"),
+                       **scored}
                 cell.folder.append(row)
                 bar.update(1)
                 bar.set_postfix_str(speed.add(row), refresh=False)

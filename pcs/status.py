@@ -1,6 +1,7 @@
 """``python -m pcs.status [FOLDER] [--only finished|unfinished|running|failed]``: every run under a folder (a
 results folder, any folder inside it, or one run's), how far it is, its score once finished, and what its jobs
-are doing; then a summary of the runs shown (finished, running, failed; samples done). Torch-free: it reads the
+are doing; then a summary of the runs shown (finished, running, failed; samples done) and of their protocols (where the
+questions come: inside the compressed prompt, after it, with follow-ups; ``RunIdentity.protocol``). Torch-free: it reads the
 run folders only (``pcs.run_folder``).
 
 Per run: samples done of its total (its own rows and every shard's, counted once), finished or not, the jobs
@@ -16,7 +17,11 @@ import socket
 import sys
 from pathlib import Path
 
-from .run_folder import ERROR, INTERRUPTED, RUNNING, SAMPLES, SHARDS, CorruptRows, all_rows, is_finished
+from omegaconf.errors import OmegaConfBaseException
+
+from .identity import RunIdentity
+from .run_folder import (ERROR, INTERRUPTED, RUNNING, SAMPLES, SHARDS, CorruptRows, all_rows, is_finished,
+                         saved_config)
 from .slurm_queue import RUNNING_STATES, queue_states
 from .cli import command
 
@@ -84,12 +89,22 @@ def outcome(run_dir: Path) -> str:
     return score + kept
 
 
-def summary(states: list[str], done: int, total: int | None) -> str:
+def summary(states: list[str], done: int, total: int | None, protocols: list[str | None] = ()) -> str:
     counts = {state: states.count(state) for state in dict.fromkeys(states)}
     order = ["finished", "running", "failed", INTERRUPTED, "not finished"]
     parts = [f"{counts[state]} {state}" for state in order if state in counts]
     samples = f"{done} samples done" + ("" if total is None else f" of {total}")
-    return f"{len(states)} runs: " + ", ".join(parts) + f"; {samples}"
+    asked = [p for p in protocols if p]
+    kinds = "; protocols: " + ", ".join(f"{p} ({asked.count(p)})" for p in sorted(set(asked))) if asked else ""
+    return f"{len(states)} runs: " + ", ".join(parts) + f"; {samples}" + kinds
+
+
+def protocol(run_dir: Path) -> str | None:
+    """Where the run's questions come (``RunIdentity.protocol``), None where its config does not say."""
+    try:
+        return RunIdentity(saved_config(run_dir)).protocol
+    except (OSError, ValueError, KeyError, OmegaConfBaseException):   # a foreign or broken config.yaml
+        return None
 
 
 # ``--only``: which runs a state answers to ("unfinished": every run not finished, whatever its jobs do).
@@ -98,13 +113,14 @@ FILTERS = {"finished": {"finished"}, "unfinished": {"running", "failed", INTERRU
 
 
 def report(results_dir: Path, only: str | None = None) -> str:
-    lines, states, done, total = [], [], 0, 0
+    lines, states, done, total, protocols = [], [], 0, 0, []
     for run_dir in runs(results_dir):
         status = run_status(run_dir)
         state = state_of(status)
         if only is not None and state not in FILTERS[only]:
             continue
         states.append(state)
+        protocols.append(protocol(run_dir))
         done += status["done"]
         total = None if total is None or status["total"] is None else total + status["total"]
         of = "?" if status["total"] is None else status["total"]
@@ -114,7 +130,7 @@ def report(results_dir: Path, only: str | None = None) -> str:
         lines += [f"    {job}" for job in status["jobs"]] + [f"    last error, {error}" for error in status["errors"]]
     if not lines:
         return f"no {only + ' ' if only else ''}runs under {results_dir}"
-    return "\n".join(lines + ["", summary(states, done, total)])
+    return "\n".join(lines + ["", summary(states, done, total, protocols)])
 
 
 def main(argv=None) -> int:

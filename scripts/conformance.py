@@ -367,6 +367,16 @@ def summarize(prompt, n, setting, budget, case, ours, theirs, ties: int | None =
             "ties_at_cut": sum(TIES) if ties is None else ties, "control_identical": None}
 
 
+def made_at() -> str:
+    """The commit of the code that made the results (with the hash of its difference where it has one)."""
+    from pcs.provenance import git_state
+    state = git_state()
+    if state["commit"] is None:
+        return "outside a git checkout"
+    changed = f" and a change of its code (sha256 {state['diff_sha256'][:12]})" if state["dirty"] else ""
+    return f"at commit {state['commit'][:7]}{changed}"
+
+
 def format_row(r: dict) -> str:
     return (f"{r['prompt']:<16} {r['setting']:<16} b{r['budget']:<4} {r['pcs']:<21} identical "
             f"{r['identical']:>3}/{r['pairs']} ({r['identical_pct']:6.2f} %)  Jaccard {r['jaccard']:.4f}  "
@@ -437,7 +447,7 @@ def write(rows: list[dict], out: Path, merged: bool = False) -> None:
               + ", ".join(f"{k} (window {w}, kernel {k2})" for k, (w, k2) in SETTINGS.items()
                           if any(r["setting"] == k for r in rows))
               + " (scorers and StreamingLLM have no window attention: one setting).", "",
-              f"Made on a CPU, {datetime.date.today().isoformat()}, by `.venv/bin/python scripts/conformance.py "
+              f"Made on a CPU, {datetime.date.today().isoformat()}, {made_at()}, by `.venv/bin/python scripts/conformance.py "
               + " ".join(sys.argv[1:]).replace(str(ROOT) + "/", "") + "`"
               + (": the cases it names; the others' rows are the CSV's before it" if merged else "") + ".", ""]
     (out / "README.md").write_text("\n".join(lines))

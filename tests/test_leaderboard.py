@@ -118,8 +118,9 @@ def test_a_model_of_several_lengths_gets_a_table_of_them_together_first(tmp_path
     assert main(["--results", str(root), "--leaderboard", "leaderboard", *base[1:], "--out", str(out),
                  "--resamples", "200"]) == 0
     readme = (out / "README.md").read_text()
-    assert readme.index("### smollm2, 2048 and 4096 tokens together (40 samples per run)") \
-        < readme.index("### smollm2, 2048 tokens (20 samples") < readme.index("### smollm2, 4096 tokens (20 samples")
+    assert readme.index("### smollm2, 2048 and 4096 tokens together, question inside (40 samples per run)") \
+        < readme.index("### smollm2, 2048 tokens, question inside (20 samples") \
+        < readme.index("### smollm2, 4096 tokens, question inside (20 samples")
     assert (out / "smollm2_2048+4096.png").read_bytes()[:8] == PNG
 
 

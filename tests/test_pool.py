@@ -506,7 +506,7 @@ def test_a_settled_answer_ends_early_as_a_prefix_of_its_whole_answer(size):
     def arrivals():
         for i, s in enumerate(sample_list):
             tests = [(lambda ids, m=marks[(i, j)]: m in ids) if j == 0 else None for j in range(len(cells))]
-            yield Arrival(model, s["ids"], [Cell(build(c), None, t) for c, t in zip(cells, tests)], 16, set(),
+            yield Arrival(model, s["ids"], [Cell(build(c), None, (t,)) for c, t in zip(cells, tests)], 16, set(),
                           s["question"], owners=[(i, j) for j in range(len(cells))])
 
     got = {seq.owner: seq.result.token_ids for seq in decode(DecodePool(model, size), arrivals())}

@@ -335,9 +335,11 @@ def test_status_shows_each_finished_runs_score_and_ends_with_a_summary(tmp_path)
     lines = report(tmp_path).splitlines()
     assert f"{finished}  9/9  finished  score 61.25, KV 25.0 %" in lines
     assert f"{failed}  4/9  failed" in lines and f"{stopped}  2/9  not finished" in lines
-    assert lines[-1] == "3 runs: 1 finished, 1 failed, 1 not finished; 15 samples done of 27"
+    assert lines[-1] == ("3 runs: 1 finished, 1 failed, 1 not finished; 15 samples done of 27; "
+                         "protocols: question inside (3)")
     # Narrowed: by state (the summary counts the runs shown), and to one folder of the results or one run's.
-    assert report(tmp_path, "unfinished").splitlines()[-1] == "2 runs: 1 failed, 1 not finished; 6 samples done of 18"
+    assert report(tmp_path, "unfinished").splitlines()[-1] == ("2 runs: 1 failed, 1 not finished; 6 samples done of "
+                                                               "18; protocols: question inside (2)")
     assert report(tmp_path, "failed").splitlines()[0] == f"{failed}  4/9  failed"
     assert report(tmp_path, "running") == f"no running runs under {tmp_path}"
     one = report(tmp_path / finished).splitlines()

@@ -18,7 +18,15 @@ from omegaconf import DictConfig
 
 from ..config import declared, load_class, validate
 from ..errors import ConfigError
-from ..prompts import PromptIds, encode_prompt
+from ..prompts import PromptIds, encode_prompt, follow_up_ids
+
+
+@dataclass(frozen=True)
+class FollowUp:
+    """A further question about the same context, answered from its own copy of the sample's compressed cache."""
+    question: str                   # the question's text (a user turn of its own, or the prompt's question replaced)
+    answer_prefix: str = ""         # its answer's start
+    meta: dict = field(default_factory=dict)   # its references, scored as the sample's are (``Benchmark.score``)
 
 
 @dataclass
@@ -33,6 +41,9 @@ class Sample:
     min_new_tokens: int = 0         # stops cannot end generation before this many tokens
     answer_prefix: str = ""         # the answer's start, after the chat template's assistant header
     completion_cue: str = ""        # before it, where no chat template applies (a pretrained model)
+    follow_ups: tuple[FollowUp, ...] = ()   # further questions (``benchmark.follow_up``)
+    reply: str = ""                 # the first question's reference answer: a follow-up's history when the
+                                    # question is inside the compressed prompt
 
 
 class Benchmark:
@@ -55,9 +66,23 @@ class Benchmark:
         raise NotImplementedError
 
     def encode(self, sample: Sample, tokenizer, model_cfg) -> PromptIds:
-        """Token ids of a sample's prompt (a benchmark may truncate it first)."""
-        return encode_prompt(tokenizer, sample.prompt, model_cfg, use_chat=sample.chat, question=sample.question,
-                             answer_prefix=sample.answer_prefix, completion_cue=sample.completion_cue)
+        """Token ids of a sample's prompt and its follow-ups (a benchmark may truncate the prompt first)."""
+        prompt = encode_prompt(tokenizer, sample.prompt, model_cfg, use_chat=sample.chat, question=sample.question,
+                               answer_prefix=sample.answer_prefix, completion_cue=sample.completion_cue)
+        if not sample.follow_ups:
+            return prompt
+        return prompt._replace(follow_ups=follow_up_ids(
+            tokenizer, prompt, sample.prompt, model_cfg, [(f.question, f.answer_prefix) for f in sample.follow_ups],
+            sample.chat, sample.question, sample.answer_prefix, sample.completion_cue, sample.reply))
+
+    def scored(self, row: dict) -> dict:
+        """A row (a sample's meta and answers) with its ``score`` and, where it has follow-ups, each one's score and
+        their mean ``follow_up_score``: what predictions.jsonl holds."""
+        row = {**row, "score": self.score(row)}
+        if row.get("follow_ups"):
+            ups = [{**up, "score": self.score({**without_follow_ups(row), **up})} for up in row["follow_ups"]]
+            row.update(follow_ups=ups, follow_up_score=sum(up["score"] for up in ups) / len(ups))
+        return row
 
     def score(self, row: dict) -> float | None:
         """A row's score on the benchmark's 0-100 scale, from the step's fields and the sample's meta
@@ -68,13 +93,15 @@ class Benchmark:
         """Headline ``score`` and details from the predictions.jsonl rows."""
         raise NotImplementedError
 
-    def settled(self, sample: Sample) -> Callable[[str], bool] | None:
+    def settled(self, sample: Sample, question: int = 0) -> Callable[[str], bool] | None:
         """Whether an answer's text so far already decides its score, for a benchmark that declares ``_settles_``
         (a score that can only rise as the answer grows): once it is 100, no later token can change it. None:
-        the score may still change (F1, ROUGE: more words can lower it)."""
+        the score may still change (F1, ROUGE: more words can lower it). ``question``: 0 for the sample's own,
+        j for its j-th follow-up (scored on its own references)."""
         if not self.settles:
             return None
-        return lambda text: self.score({"prediction": text, **sample.meta}) == 100.0
+        meta = sample.meta if not question else {**sample.meta, **sample.follow_ups[question - 1].meta}
+        return lambda text: self.score({"prediction": text, **meta}) == 100.0
 
     @cached_property
     def settles(self) -> bool:
@@ -88,6 +115,16 @@ class Benchmark:
     def finish(self, rows: list[dict], metrics: dict, run_dir: Path) -> None:
         """Once every sample is done, before ``metrics.json`` is written: write extra files next to
         it (plots, outputs in another tool's format) and add what they yield to ``metrics``."""
+
+
+def without_follow_ups(row: dict) -> dict:
+    return {key: value for key, value in row.items() if key not in ("follow_ups", "follow_up_score")}
+
+
+def follow_up_rows(rows: list[dict]) -> list[dict]:
+    """One row per follow-up answer: its sample's fields, its own prediction, references and score (what a
+    benchmark's ``metrics`` reads for the follow-ups as it reads the first questions' rows)."""
+    return [{**without_follow_ups(row), **up} for row in rows for up in row.get("follow_ups") or ()]
 
 
 def build_benchmark(cfg: DictConfig) -> Benchmark:

@@ -15,11 +15,19 @@ from pathlib import Path
 from ..identity import RunIdentity
 from ..paths import package_dir
 from ..provenance import sha256_files, sha256_text
-from .base import Benchmark, Sample
+from .base import Benchmark, FollowUp, Sample
 
 QUESTION = "Answer the question using only the document above.\nQuestion: {question}"
 PROMPT = "{context}\n\n" + QUESTION
 COMPLETION_CUE = "\nAnswer:"    # a pretrained model's prompt ends where the answer starts
+# (needle, question) of each follow-up (``benchmark.follow_up``: the first N), placed around the haystack
+FOLLOW_UP_FACTS = (
+    ("The secret ingredient in the lighthouse keeper's soup is smoked paprika.",
+     "What is the secret ingredient in the lighthouse keeper's soup?"),
+    ("The password to the old observatory is silver heron.", "What is the password to the old observatory?"),
+    ("The museum's missing painting was found in a bakery in Lisbon.", "Where was the museum's missing painting found?"),
+    ("The marathon winner trained by running up the stairs of a ferry terminal.", "How did the marathon winner train?"),
+)
 
 
 def essay_files(haystack_dir: str | None) -> list[Path]:
@@ -31,8 +39,9 @@ def essay_files(haystack_dir: str | None) -> list[Path]:
     return files
 
 
-def haystack_data_hashes(files: list[Path]) -> dict:
-    return {"haystack": sha256_files(files), "prompt": sha256_text(PROMPT)}
+def haystack_data_hashes(files: list[Path], follow_up: int = 0) -> dict:
+    facts = {"follow_up_facts": sha256_text(repr(FOLLOW_UP_FACTS[:follow_up]))} if follow_up else {}
+    return {"haystack": sha256_files(files), "prompt": sha256_text(PROMPT), **facts}
 
 
 class Haystack:
@@ -41,14 +50,22 @@ class Haystack:
     def __init__(self, tokenizer, files: list[Path], needle: str):
         self.tokenizer = tokenizer
         self.tokens = tokenizer.encode("\n\n".join(p.read_text() for p in files), add_special_tokens=False)
-        self.needle = tokenizer.encode(" " + needle.strip(), add_special_tokens=False)
+        self.needle = self.encoded(needle)
 
-    def prompt(self, length: int, depth: float, question: str, start: int = 0) -> str:
-        """``length`` tokens of essays, read from token ``start`` on (cycling), with the needle at ``depth``%."""
+    def encoded(self, needle: str) -> list[int]:
+        return self.tokenizer.encode(" " + needle.strip(), add_special_tokens=False)
+
+    def prompt(self, length: int, depth: float, question: str, start: int = 0,
+               others: tuple[tuple[str, float], ...] = ()) -> str:
+        """``length`` tokens of essays, read from token ``start`` on (cycling), with the needle at ``depth``% and
+        each of ``others`` (needle, depth) after it at its own depth (of the essays holding the needles before)."""
         rotated = self.tokens[start:] + self.tokens[:start]
-        body = repeat_to(rotated, length - len(self.needle))
-        context = self.tokenizer.decode(insert_needle(body, self.needle, depth, self.tokenizer))
-        return PROMPT.format(context=context.strip(), question=question)
+        extra = [(self.encoded(text), at) for text, at in others]
+        body = repeat_to(rotated, length - len(self.needle) - sum(len(ids) for ids, _ in extra))
+        body = insert_needle(body, self.needle, depth, self.tokenizer)
+        for ids, at in extra:
+            body = insert_needle(body, ids, at, self.tokenizer)
+        return PROMPT.format(context=self.tokenizer.decode(body).strip(), question=question)
 
 
 class Needle(Benchmark):
@@ -73,17 +90,33 @@ class Needle(Benchmark):
     def samples(self, tokenizer) -> list[Sample]:
         haystack = Haystack(tokenizer, essay_files(self.cfg.haystack_dir), self.cfg.needle)
         question = "" if self.cfg.query_aware else QUESTION.format(question=self.cfg.question)
-        return [Sample(id=f"len{length}_depth{depth}",
-                       prompt=haystack.prompt(length, depth, self.cfg.question),
-                       max_new_tokens=self.cfg.max_new_tokens, question=question, completion_cue=COMPLETION_CUE,
-                       meta={"context_length": length, "depth_percent": depth})
-                for length in self.cfg.context_lengths for depth in self.cfg.depth_percents]
+        out = []
+        for length in self.cfg.context_lengths:
+            for depth in self.cfg.depth_percents:
+                facts = self.follow_up_facts(depth)
+                ups = tuple(FollowUp(QUESTION.format(question=asked), meta={"needle": needle, "depth_percent": at})
+                            for needle, asked, at in facts)
+                out.append(Sample(id=f"len{length}_depth{depth}", max_new_tokens=self.cfg.max_new_tokens,
+                                  prompt=haystack.prompt(length, depth, self.cfg.question,
+                                                         others=tuple((needle, at) for needle, _, at in facts)),
+                                  question=question, completion_cue=COMPLETION_CUE,
+                                  meta={"context_length": length, "depth_percent": depth},
+                                  follow_ups=ups, reply=" " + self.cfg.needle.strip() if ups else ""))
+        return out
+
+    def follow_up_facts(self, depth: float) -> list[tuple[str, str, float]]:
+        """(needle, question, depth) of each ``benchmark.follow_up`` fact: the first of ``FOLLOW_UP_FACTS``, spread
+        evenly around the haystack from the needle's depth on."""
+        n = self.cfg.follow_up
+        return [(needle, asked, (depth + 100 * (j + 1) / (n + 1)) % 100)
+                for j, (needle, asked) in enumerate(FOLLOW_UP_FACTS[:n])]
 
     def data_hashes(self) -> dict:
-        return haystack_data_hashes(essay_files(self.cfg.haystack_dir))
+        return haystack_data_hashes(essay_files(self.cfg.haystack_dir), self.cfg.follow_up)
 
     def score(self, row: dict) -> float:
-        return 100.0 * self.scorer.score(self.cfg.needle, row["prediction"])["rouge1"].recall
+        """ROUGE-1 recall of the row's needle (a follow-up's own; else ``benchmark.needle``)."""
+        return 100.0 * self.scorer.score(row.get("needle", self.cfg.needle), row["prediction"])["rouge1"].recall
 
     def finish(self, rows: list[dict], metrics: dict, run_dir: Path) -> None:
         """The run's depth x length heatmap (paper Figure 8) next to its metrics (matplotlib loads only here)."""
@@ -95,8 +128,16 @@ class Needle(Benchmark):
         for row in rows:
             grid.setdefault(str(row["context_length"]), {})[str(row["depth_percent"])] = row["score"]
         scores = [row["score"] for row in rows]
-        return {"score": sum(scores) / len(scores), "scorer": "rouge1_recall", "grid": grid,
-                "query_aware": self.cfg.query_aware}
+        out = {"score": sum(scores) / len(scores), "scorer": "rouge1_recall", "grid": grid,
+               "query_aware": self.cfg.query_aware}
+        if any(row.get("follow_ups") for row in rows):    # the follow-ups scored apart: their mean per grid cell
+            follow = {}
+            for row in rows:
+                mean = row["follow_up_score"]
+                follow.setdefault(str(row["context_length"]), {})[str(row["depth_percent"])] = mean
+            ups = [row["follow_up_score"] for row in rows]
+            out["follow_up"] = {"n": self.cfg.follow_up, "score": sum(ups) / len(ups), "grid": follow}
+        return out
 
 
 def repeat_to(tokens: list[int], n: int) -> list[int]:

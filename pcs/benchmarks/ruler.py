@@ -21,11 +21,11 @@ from pathlib import Path
 
 from ..paths import default_cache_dir, package_dir, read_jsonl, write_atomic
 from ..provenance import sha256_files, sha256_text
-from .base import Benchmark, Sample
+from .base import Benchmark, FollowUp, Sample, follow_up_rows
 from .needle import essay_files
-from .ruler_data import (GROUPS, QA_SOURCES, TASKS, cwe_vocabulary, default_lengths, domain_name, essay_words,
-                         generate, needle_words, normalize_kvpress, normalize_ruler, read_hotpotqa, read_squad, string_match_all,
-                         string_match_part)
+from .ruler_data import (GROUPS, NIAH, QA_SOURCES, TASKS, cwe_vocabulary, default_lengths, domain_name, essay_words,
+                         generate, needle_words, niah_follow_ups, niah_task, normalize_kvpress, normalize_ruler,
+                         read_hotpotqa, read_squad, string_match_all, string_match_part)
 
 GENERATOR_VERSION = 1     # bump when a generator changes what it draws: cached samples are then made anew
 NORMALIZE = {"ruler": normalize_ruler, "kvpress": normalize_kvpress}
@@ -76,6 +76,11 @@ class Ruler(Benchmark):
                              "give one count, or one per task of benchmark.tasks, in order")
         if any(not isinstance(n, int) or n < 1 for n in counts):
             raise ValueError(f"benchmark.n_samples={counts}: counts of samples are positive integers")
+        follow_up = self.cfg.follow_up
+        without = [t for t in self.cfg.tasks if t not in NIAH]
+        if follow_up and without:
+            raise ValueError(f"benchmark.follow_up={follow_up}: {', '.join(without)} have no other facts to ask "
+                             f"about; follow-ups ask for other needles of {', '.join(NIAH)}")
         if self.cfg.normalize not in NORMALIZE:
             raise ValueError(f"benchmark.normalize={self.cfg.normalize!r}: choose ruler or kvpress")
         short = [n for n in self.lengths if n < 512]
@@ -131,6 +136,9 @@ class Ruler(Benchmark):
         if task in QA_SOURCES:
             sources = sha256_text(sources + sha256_files([qa_file(task, self.cfg.qa_dir)]))
         key = [GENERATOR_VERSION, task, length, self.n_samples(task), self.cfg.seed, sources]
+        follow_up = self.cfg.follow_up
+        if task in NIAH and niah_task(task, follow_up) != NIAH[task]:     # more keys drawn: other samples
+            key.append({"keys": niah_task(task, follow_up).k})
         folder = Path(self.cfg.cache_dir or default_cache_dir() / "ruler")
         path = folder / f"{task}_{length}_{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:20]}.jsonl"
         if path.exists():
@@ -138,7 +146,7 @@ class Ruler(Benchmark):
         count = lambda text: len(tokenizer.tokenize(text))
         rows = generate(task, count, length, self.n_samples(task), self.cfg.seed, self.words,
                         self.essay if TASKS[task].essay else None, self.vocabulary if task == "cwe" else None,
-                        self.qa(task) if task in QA_SOURCES else None)
+                        self.qa(task) if task in QA_SOURCES else None, follow_up)
         folder.mkdir(parents=True, exist_ok=True)
         write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))    # shards may generate it at once
         return rows
@@ -154,12 +162,24 @@ class Ruler(Benchmark):
                     text = row["input"]
                     prefix_at = text.rfind(spec.prefix)
                     user, prefix = text[:prefix_at], text[prefix_at:]
-                    question = "" if self.cfg.query_aware else user[list(re.finditer(spec.question, user))[-1].start():]
-                    out.append(Sample(id=f"{task}_{length}_{row['index']}", prompt=user, answer_prefix=prefix,
-                                      question=question, max_new_tokens=spec.new_tokens,
+                    asked = user[list(re.finditer(spec.question, user))[-1].start():]
+                    sample_id = f"{task}_{length}_{row['index']}"
+                    out.append(Sample(id=sample_id, prompt=user, answer_prefix=prefix,
+                                      question="" if self.cfg.query_aware else asked, max_new_tokens=spec.new_tokens,
                                       meta={"task": task, "length": length, "stratum": f"{task}_{length}",
-                                            "outputs": row["outputs"], "ruler_tokens": row["length"]}))
+                                            "outputs": row["outputs"], "ruler_tokens": row["length"]},
+                                      **self.follow_ups(user[:-len(asked)], asked, task, sample_id, row["outputs"])))
         return out
+
+    def follow_ups(self, context: str, asked: str, task: str, sample_id: str, outputs: list[str]) -> dict:
+        """A niah sample's ``benchmark.follow_up`` questions about other needles of its context, and the reply
+        that precedes them where the first question is inside the compressed prompt."""
+        n = self.cfg.follow_up
+        if not n:
+            return {}
+        ups = niah_follow_ups(context, asked, task, n, f"{self.cfg.seed}:{sample_id}")
+        return {"follow_ups": tuple(FollowUp(question, prefix, {"outputs": values}) for question, prefix, values in ups),
+                "reply": " " + ", ".join(outputs) + "."}
 
     def data_hashes(self) -> dict:
         return {"ruler_samples": self.digests}
@@ -184,6 +204,12 @@ class Ruler(Benchmark):
             by_length[str(length)] = {"tasks": tasks, "groups": groups, "mean": sum(tasks.values()) / len(tasks)}
         domains = {domain_name(name, length): value for length, m in by_length.items()
                    for name, value in [*m["groups"].items(), ("mean", m["mean"])]}
-        return {"score": sum(v["mean"] for v in by_length.values()) / len(by_length), "scorer": "string_match",
-                "lengths": by_length, "domains": domains, "query_aware": self.cfg.query_aware,
-                "normalize": self.cfg.normalize}
+        out = {"score": sum(v["mean"] for v in by_length.values()) / len(by_length), "scorer": "string_match",
+               "lengths": by_length, "domains": domains, "query_aware": self.cfg.query_aware,
+               "normalize": self.cfg.normalize}
+        ups = follow_up_rows(rows)
+        if ups:         # the follow-ups scored apart, as the first questions are: ``follow_up_<length>`` domains
+            scored = self.metrics(ups)
+            out["follow_up"] = {"n": self.cfg.follow_up, "score": scored["score"], "lengths": scored["lengths"]}
+            domains.update({domain_name("follow_up", length): m["mean"] for length, m in scored["lengths"].items()})
+        return out

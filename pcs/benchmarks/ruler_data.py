@@ -21,7 +21,7 @@ import random
 import re
 import string
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -540,7 +540,8 @@ TASKS = {**{name: TaskSpec(NIAH_NEW_TOKENS, " The special magic", r"What (?:is|a
 
 
 def generate(task: str, n_tokens: Callable[[str], int], length: int, count: int, seed: int, words: Sequence[str],
-             essay: list[str] | None, vocabulary: list[str] | None = None, qa: QaData | None = None) -> list[dict]:
+             essay: list[str] | None, vocabulary: list[str] | None = None, qa: QaData | None = None,
+             follow_ups: int = 0) -> list[dict]:
     """``count`` samples of ``task`` at ``length`` tokens: ``input`` (RULER's, answer prefix included),
     ``outputs``, ``length`` (RULER's token count). ``words``: the needles' keys; ``essay``: the essay
     haystack's words (essay tasks); ``vocabulary``: cwe's words; ``qa``: the task's questions and documents."""
@@ -552,4 +553,55 @@ def generate(task: str, n_tokens: Callable[[str], int], length: int, count: int,
         return CweGenerator(n_tokens, length, vocabulary, seed).samples(count)
     if task == "fwe":
         return FweGenerator(n_tokens, length, seed).samples(count)
-    return NiahGenerator(NIAH[task], n_tokens, length, words, essay, seed).samples(count)
+    return NiahGenerator(niah_task(task, follow_ups), n_tokens, length, words, essay, seed).samples(count)
+
+
+# ---- follow-up questions (pcs's): other needles of a niah sample's context, asked after its own question ----
+
+def niah_task(task: str, follow_ups: int = 0) -> NiahTask:
+    """``task``'s needles, with enough keys besides those its question asks for ``follow_ups`` questions about
+    other needles: an essay or repeat haystack gets keys added (``niah_single_2`` with 3 follow-ups draws as
+    ``niah_multikey_1`` does: other samples than its own); a haystack of needles (multikey_2, _3) has its
+    distractors, each a needle of its own, and is unchanged."""
+    spec = NIAH[task]
+    if spec.haystack == "needle" or spec.k >= spec.q + follow_ups:
+        return spec
+    return replace(spec, k=spec.q + follow_ups)
+
+
+FOLLOW_UP_SEED = "follow_up"   # the keys follow-ups ask are drawn apart from RULER's draws, which stay its own
+
+
+def niah_facts(context: str, question: str) -> dict[str, list[str]]:
+    """The needles of a niah prompt's ``context``, key -> its values in the order they appear, but for the keys
+    ``question`` asks (RULER joins them as ``a, b, and c``)."""
+    asked = re.search(r" for (.+?) mentioned in the provided text\?", question).group(1)
+    asked_keys = set(re.split(r",\s*(?:and\s+)?|\s+and\s+", asked))
+    facts: dict[str, list[str]] = {}
+    for key, value in re.findall(r"One of the special magic \w+ for (\S+) is: (\S+?)\.(?=\s|$)", context):
+        facts.setdefault(key, []).append(value)
+    return {key: values for key, values in facts.items() if key not in asked_keys}
+
+
+def niah_follow_ups(context: str, question: str, task: str, n: int, sample_key: str) -> list[tuple[str, str, list[str]]]:
+    """``n`` (question, answer prefix, values) about other needles of a niah prompt's context (``niah_facts``),
+    chosen by a generator of their own seeded by ``sample_key``, each worded as RULER words a one-key question."""
+    spec = NIAH[task]
+    facts = niah_facts(context, question)
+    if spec.haystack == "needle":          # a distractor key drawn twice has two values: not one fact
+        facts = {key: values for key, values in facts.items() if len(values) == spec.v}
+    if len(facts) < n:
+        raise ValueError(f"{task}: a sample has {len(facts)} other needles, fewer than benchmark.follow_up={n}")
+    keys = random.Random(f"{FOLLOW_UP_SEED}:{sample_key}").sample(sorted(facts), n)
+    return [(*niah_question(spec.type_v, key, len(facts[key])), facts[key]) for key in keys]
+
+
+def niah_question(type_v: str, key: str, n_values: int) -> tuple[str, str]:
+    """RULER's question about one key and its answer prefix (``NIAH_TEMPLATE``'s last line, ``NIAH_PREFIX``),
+    singular for one value."""
+    question = "What are all the special magic {type_needle_v} for {query} mentioned in the provided text?"
+    prefix = NIAH_PREFIX
+    if n_values == 1:
+        question, prefix = question.replace("are all", "is"), prefix.replace("are", "is")
+        type_v = type_v[:-1]
+    return question.format(type_needle_v=type_v, query=key), prefix.format(type_needle_v=type_v, query=key)

@@ -1,6 +1,7 @@
 """A sample's prefill, shared by its cells: one forward of the prompt, every cell's compression of each layer as
-it passes (``pcs.compression``), then each cell's question (when fed after compression) on its own cache.
-What comes out is one ``Sequence`` per cell, ready to join a decode pool."""
+it passes (``pcs.compression``), then each cell's question (when fed after compression) on its own cache, and
+each follow-up question on its own copy of that compressed cache. What comes out is one ``Sequence`` per cell
+and question, ready to join a decode pool."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,11 +19,12 @@ from .decode import Generation, Sequence, clock
 
 @dataclass
 class Cell:
-    """What one cell decodes with: its method, its decoding-time trigger (None: off), and when its answer is
-    decided (``Sequence.settled``; None: decode to a stop or the maximum)."""
+    """What one cell decodes with: its method, its decoding-time trigger (None: off), and when each of its answers
+    is decided (``Sequence.settled``), per question (the prompt's, then its follow-ups'; none or None: decode to a
+    stop or the maximum)."""
     method: Method
     trigger: int | None = None
-    settled: Callable[[list[int]], bool] | None = None
+    settled: tuple[Callable[[list[int]], bool] | None, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.method.evicts:      # its layers would be rebuilt and kept whole at every step past the trigger
@@ -32,7 +34,9 @@ class Cell:
 @dataclass
 class Arrival:
     """A prompt and the cells that answer it, prefilled when the decode pool asks for it (``decode``), and asked
-    again for the cells whose answers were in flight when a decoding step ran out of device memory."""
+    again for the answers that were in flight when a decoding step ran out of device memory. Its answers are
+    numbered cell by cell, question by question: answer ``i x questions + j`` is cell i's to question j (0: the
+    prompt's own, then each follow-up)."""
     model: object
     input_ids: torch.Tensor                  # (1, n) the prompt (the context, when the question comes after)
     cells: list[Cell]
@@ -40,23 +44,34 @@ class Arrival:
     stops: set[int]
     question_ids: torch.Tensor | None = None
     min_new_tokens: int = 0
-    owners: list | None = None               # the caller's key of each cell's answer
+    owners: list | None = None               # the caller's key of each answer
     name: str = "a prompt"                   # what an out-of-memory error calls it (a sample's id)
+    follow_ups: tuple[torch.Tensor, ...] = ()   # (1, q) each: further questions, each on a copy of the cache
+
+    @property
+    def questions(self) -> int:
+        return 1 + len(self.follow_ups)
 
     @property
     def tokens(self) -> int:
-        return self.input_ids.shape[1] + (0 if self.question_ids is None else self.question_ids.shape[1])
+        asked = [ids.shape[1] for ids in (self.question_ids, *self.follow_ups) if ids is not None]
+        return self.input_ids.shape[1] + max(asked, default=0)
 
     def prefill(self, which: list[int] | None = None, options: EngineOptions | None = None) -> list[Sequence]:
-        """The sequences of cells ``which`` (all by default), after one shared prefill under the engine's
-        ``options`` (None: the defaults)."""
-        which = list(range(len(self.cells))) if which is None else which
-        owners = self.owners or [None] * len(self.cells)
-        sequences = prefill(self.model, self.input_ids, [self.cells[i] for i in which], self.max_new_tokens,
-                            self.stops, self.question_ids, self.min_new_tokens, [owners[i] for i in which], options)
-        for i, seq in zip(which, sequences):
-            seq.source = (self, i)
-        return sequences
+        """The sequences of answers ``which`` (all by default), after one shared prefill of their cells under the
+        engine's ``options`` (None: the defaults)."""
+        q = self.questions
+        which = list(range(len(self.cells) * q)) if which is None else which
+        cells = sorted({k // q for k in which})
+        owners = self.owners or [None] * (len(self.cells) * q)
+        sequences = prefill(self.model, self.input_ids, [self.cells[i] for i in cells], self.max_new_tokens,
+                            self.stops, self.question_ids, self.min_new_tokens,
+                            [owners[i * q + j] for i in cells for j in range(q)], options, self.follow_ups)
+        answers = [i * q + j for i in cells for j in range(q)]
+        for k, seq in zip(answers, sequences):
+            seq.source = (self, k)
+        wanted = set(which)     # a cell prefilled again for some of its answers: the others were yielded already
+        return [seq for k, seq in zip(answers, sequences) if k in wanted]
 
 
 def full_kv_bytes(config, n_tokens: int, dtype: torch.dtype) -> int:
@@ -69,14 +84,16 @@ def full_kv_bytes(config, n_tokens: int, dtype: torch.dtype) -> int:
 @torch.inference_mode()
 def prefill(model, input_ids: torch.Tensor, cells: list[Cell], max_new_tokens: int, stops: set[int],
             question_ids: torch.Tensor | None = None, min_new_tokens: int = 0, owners: list | None = None,
-            options: EngineOptions | None = None) -> list[Sequence]:
+            options: EngineOptions | None = None, follow_ups: tuple[torch.Tensor, ...] = ()) -> list[Sequence]:
     """One prompt prefilled once for every cell; each cell's ``Sequence`` holds the cache and first logits a
-    prefill of its own would give (``tests/test_shared_prefill.py``). ``options``: the engine's (None: the
-    defaults)."""
+    prefill of its own would give (``tests/test_shared_prefill.py``), then one per follow-up, from a copy of
+    the cell's compressed cache with the follow-up fed on it (``owners``: one per cell and question, in that
+    order). ``options``: the engine's (None: the defaults)."""
     options = options or defaults()
     device = next(model.parameters()).device
     n = input_ids.shape[1]
-    room = 0 if question_ids is None else question_ids.shape[1]     # the question is appended before decoding
+    questions = [question_ids, *follow_ups]
+    room = max([0] + [ids.shape[1] for ids in questions if ids is not None])   # appended before decoding
     caches = [CompressedCache.of(model.config, room) for _ in cells]
     start = clock(device)
     with compress_each_after_prefill(model, [cell.method for cell in cells], caches, options) as compressed:
@@ -84,19 +101,23 @@ def prefill(model, input_ids: torch.Tensor, cells: list[Cell], max_new_tokens: i
                        logits_to_keep=1).logits
     prefill_s = clock(device) - start
     del caches
-    sequences = []
-    for i, (cell, owner) in enumerate(zip(cells, owners or [None] * len(cells))):
+    sequences, owners = [], owners or [None] * (len(cells) * len(questions))
+    for i, cell in enumerate(cells):
         done, compressed[i] = compressed[i], None       # the cell's prefill cache goes once it has joined
-        sequences.append(with_question(model, done.cache, cell, logits, n, prefill_s, done.stats,
-                                       question_ids, max_new_tokens, min_new_tokens, frozenset(stops), owner,
-                                       options.stage2))
+        for j, asked in enumerate(questions):
+            cache = done.cache if j == len(questions) - 1 else done.cache.copy()   # the last takes the original
+            settled = cell.settled[j] if j < len(cell.settled) else None
+            sequences.append(with_question(model, cache, cell, logits, n, prefill_s, done.stats, asked,
+                                           max_new_tokens, min_new_tokens, frozenset(stops),
+                                           owners[i * len(questions) + j], options.stage2, settled))
     return sequences
 
 
 def with_question(model, cache: CompressedCache, cell: Cell, logits, n: int, prefill_s: float, prefilled: PrefillStats,
                   question_ids, max_new_tokens: int, min_new_tokens: int, stops: frozenset, owner,
-                  search: Stage2Search | None = None) -> Sequence:
-    """A cell's sequence: the question (if fed after compression) on its compressed cache, then its sizes."""
+                  search: Stage2Search | None = None, settled: Callable | None = None) -> Sequence:
+    """A cell's sequence for one question: the question (if fed after compression) on its compressed cache, then
+    its sizes."""
     device = logits.device
     stats = CompressionStats(max_kv_entries=cache.most_entries())
     start = clock(device)
@@ -110,4 +131,4 @@ def with_question(model, cache: CompressedCache, cell: Cell, logits, n: int, pre
     result = Generation([], n, cache.nbytes(), full_kv_bytes(model.config, n, model.dtype), prefill_s, 0.0,
                         peak_kv_bytes=prefilled.peak_kv_bytes, stage2=prefilled.stage2)
     return Sequence(owner, cache, logits[0, -1], n, max_new_tokens, min_new_tokens, stops, cell.method,
-                    cell.trigger, result, stats, settled=cell.settled)
+                    cell.trigger, result, stats, settled=settled)

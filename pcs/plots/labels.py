@@ -14,8 +14,15 @@ IN_WORDS = {"query_aware=False": "question after compression", "query_aware=True
 
 
 def setting_knobs(run_dir: str | Path) -> list[str]:
-    """The run's setting knobs, the question's place in words."""
-    return [IN_WORDS.get(knob, knob) for knob in RunIdentity(saved_config(Path(run_dir))).setting_knobs]
+    """The run's setting knobs, the question's place and its follow-ups in words."""
+    return [in_words(knob) for knob in RunIdentity(saved_config(Path(run_dir))).setting_knobs]
+
+
+def in_words(knob: str) -> str:
+    if knob.startswith("follow_up="):
+        n = int(knob.split("=", 1)[1])
+        return f"{n} follow-up{'s' if n > 1 else ''} after compression"
+    return IN_WORDS.get(knob, knob)
 
 
 def method_knobs(run_dir: str | Path) -> list[str]:

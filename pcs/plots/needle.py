@@ -49,9 +49,10 @@ def save_heatmap(metrics: dict, title: str, path: Path) -> Path:
     return path
 
 
-def needle_comparison(run_dirs: list[Path], path: Path, budget: int) -> Path | None:
+def needle_comparison(run_dirs: list[Path], path: Path, budget: int, setting: list[str] = ()) -> Path | None:
     """Rows: methods; columns: without and with perturbation selection, at one budget (a method
-    without selection, such as LaProx, fills the first column of its row)."""
+    without selection, such as LaProx, fills the first column of its row), of runs of one ``setting`` (its knobs in
+    words, in the title)."""
     cells = {}
     for run_dir in run_dirs:
         identity = RunIdentity(saved_config(run_dir))
@@ -73,7 +74,7 @@ def needle_comparison(run_dirs: list[Path], path: Path, budget: int) -> Path | N
             metrics = json.loads((cells[row[j]] / "metrics.json").read_text())
             image = draw_heatmap(ax, metrics, method if row[j][1] == "none" else f"{method}, {row[j][1]}")
     fig.colorbar(image, ax=axes.ravel().tolist(), label="score")
-    fig.suptitle(f"Needle-in-a-Haystack at budget {budget}")
+    fig.suptitle(", ".join([f"Needle-in-a-Haystack at budget {budget}", *setting]))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

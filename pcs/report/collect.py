@@ -21,7 +21,7 @@ from ..identity import RunIdentity
 from ..run_folder import saved_config
 
 COLUMNS = ["table", "benchmark", "model", "method", "selection", "budget", "domain", "score", "run_dir", "variant",
-           "conventions"]
+           "conventions", "protocol"]
 
 
 def paper_tables() -> pd.DataFrame:
@@ -43,6 +43,7 @@ def read_csv(path) -> pd.DataFrame:
     df["run_dir"] = None
     df["variant"] = ""
     df["conventions"] = ""
+    df["protocol"] = "question inside"      # the paper compresses each question with its context
     return expand_full_rows(df[COLUMNS])
 
 
@@ -66,7 +67,7 @@ def run_rows(run_dir: Path) -> list[dict]:
     common = {"table": run.table, "benchmark": cfg.benchmark.name, "model": cfg.model.name,
               "method": cfg.method.name, "selection": run.selection_label,
               "budget": cfg.budget if run.reads_budget else None, "run_dir": str(run_dir), "variant": run.setting,
-              "conventions": "_".join(run.method_knobs)}
+              "conventions": "_".join(run.method_knobs), "protocol": run.protocol}
     rows = [{**common, "domain": domain, "score": value} for domain, value in metrics.get("domains", {}).items()]
     return rows + [{**common, "domain": "average", "score": metrics["score"]}]
 

@@ -3,6 +3,7 @@ RULER, needle heads, perturbation analysis) and the leaderboard's ``README.md``,
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -42,13 +43,15 @@ def needle_section(results: Path, out: Path) -> list[str]:
     folder.mkdir(parents=True, exist_ok=True)
     lines = ["## Needle-in-a-Haystack", ""]
     identities = {r: RunIdentity(saved_config(r)) for r in runs}
-    for model in sorted({i.cfg.model.name for i in identities.values()}):
-        mine = [r for r, i in identities.items() if i.cfg.model.name == model]
+    # per model and setting (a protocol, a knob of the benchmark): grids compare runs that answered the same questions
+    for model, setting in sorted({(i.cfg.model.name, i.setting) for i in identities.values()}):
+        mine = [r for r, i in identities.items() if i.cfg.model.name == model and i.setting == setting]
+        name = "_".join(filter(None, [model, setting]))
         budgets = sorted({identities[r].cfg.budget for r in mine if identities[r].reads_budget})
         for budget in budgets:
-            grid = needle_comparison(mine, folder / f"{model}_grid_b{budget}.png", budget)
+            grid = needle_comparison(mine, folder / f"{name}_grid_b{budget}.png", budget, setting_knobs(mine[0]))
             if grid is not None:
-                lines += [f"![needle grid {model} b{budget}](needle/{grid.name})", ""]
+                lines += [f"![needle grid {name} b{budget}](needle/{grid.name})", ""]
     for run_dir in runs:
         needle_heatmap(run_dir, folder / f"{leaf(run_dir)}.png")
     lines += ["Per run: " + ", ".join(f"[{leaf(r)}](needle/{leaf(r)}.png)" for r in runs), ""]
@@ -270,11 +273,13 @@ def build_leaderboard(results: Path, experiments: list[str], bench: list[Path], 
         rows = read_jsonl(path)
         lines += [f"Bench `{path.name}`: `python -m pcs.bench --json` on {rows[0].get('device_name', '?')}, "
                   f"{', '.join(sorted({r['model'] for r in rows}))}: {bench_rounds(rows)}.", ""]
-    for model, length, block in leaderboard_tables(board):
+    for model, protocol, length, block in leaderboard_tables(board):
         lines += leaderboard_markdown(block)
-        figure = leaderboard_figure(block, out / f"{model}_{length}.png", leaderboard_title(model, length))
+        # the paper's protocol keeps its figures' names; another's is in its figures' names
+        name = "_".join([model, length] + ([re.sub(r"\W+", "_", protocol)] if protocol != "question inside" else []))
+        figure = leaderboard_figure(block, out / f"{name}.png", leaderboard_title(model, length, protocol))
         if figure is not None:
-            lines += [f"![{model} {length}]({figure.name})", ""]
+            lines += [f"![{model} {length} {protocol}]({figure.name})", ""]
     models = ", ".join(sorted(board["model"].unique()))
     lines += [f"What this shows: how these methods rank on these tasks, lengths and budgets for {models}. What it "
               "does not: how they rank on larger models (8B and up) or on other tasks; that needs the same "

@@ -16,7 +16,7 @@ from ..paths import read_jsonl
 from ..run_folder import all_rows
 from .significance import RESAMPLES, SEED, paired_bootstrap, scores_frame, strata_of
 
-COLUMNS = ["model", "length", "method", "selection", "budget", "n", "score", "ci_low", "ci_high", "kv_kept",
+COLUMNS = ["model", "protocol", "length", "method", "selection", "budget", "n", "score", "ci_low", "ci_high", "kv_kept",
            "prefill_rel", "decode_rel", "effect", "effect_low", "effect_high", "run_dir"]
 
 
@@ -35,8 +35,11 @@ def experiment_runs(experiment: str, results: Path, overrides: list[str] = ()) -
 
 def answered(run_dir: Path) -> pd.DataFrame:
     """A run's answers so far (finished or not, its shards' included): ``scores_frame``'s columns and the share of
-    entries kept."""
+    entries kept; a run with follow-up questions scored on them (``follow_up_score``: its protocol's answers, the
+    first question being the other protocol's)."""
     rows = all_rows(run_dir)
+    if rows and "follow_up_score" in rows[0]:
+        rows = [{**row, "score": row["follow_up_score"]} for row in rows]
     frame = scores_frame(rows, run_dir)
     frame["kv_kept"] = [r["kv_cache_bytes"] / r["kv_cache_bytes_full"] for r in rows]
     return frame.drop_duplicates("id", keep="last").sort_values("id", kind="stable").reset_index(drop=True)
@@ -121,7 +124,8 @@ def row(identity, path, frame, lengths: list[int], frames, runs, costs, resample
     at_length = frame["length"].isin(lengths)
     strata = strata_of(frame[at_length])       # each (task, length) a stratum: the mean weighs lengths alike
     score = paired_bootstrap(frame["score"].to_numpy(dtype=float), strata, resamples, seed)
-    out = {"model": cfg.model.name, "length": lengths_label(lengths), "method": cfg.method.name,
+    out = {"model": cfg.model.name, "protocol": identity.protocol, "length": lengths_label(lengths),
+           "method": cfg.method.name,
            "selection": identity.selection_label, "budget": cfg.budget if identity.reads_budget else None,
            "n": score.n, "score": score.delta, "ci_low": score.ci_low, "ci_high": score.ci_high,
            "kv_kept": float(frame.loc[at_length, "kv_kept"].mean()), "effect": np.nan, "effect_low": np.nan,
@@ -130,7 +134,7 @@ def row(identity, path, frame, lengths: list[int], frames, runs, costs, resample
     if identity.reads_selection and cfg.selection.name != "attention":
         base = next((p for p, i in runs.items() if i.cfg.method.name == cfg.method.name
                      and i.reads_selection and i.cfg.selection.name == "attention" and i.cfg.budget == cfg.budget
-                     and i.cfg.model.name == cfg.model.name), None)
+                     and i.cfg.model.name == cfg.model.name and i.setting == identity.setting), None)
         if base is not None:
             other = frames[base].set_index("id").loc[frame["id"], "score"].to_numpy(dtype=float)
             effect = paired_bootstrap(frame["score"].to_numpy(dtype=float) - other, strata, resamples, seed)
@@ -138,28 +142,31 @@ def row(identity, path, frame, lengths: list[int], frames, runs, costs, resample
     return out
 
 
-def tables(board: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
-    """(model, length, rows) per table, each model's lengths together first, then each length."""
+def tables(board: pd.DataFrame) -> list[tuple[str, str, str, pd.DataFrame]]:
+    """(model, protocol, length, rows) per table: never two protocols in one (their runs answer other questions of
+    the cache); each model's protocols in turn, its lengths together first, then each length."""
+    board = board.assign(protocol=board["protocol"].fillna(""))
     order = board.assign(_parts=board["length"].str.count(r"\+"), _first=board["length"].str.split("+").str[0]
-                         .astype(int))
-    keys = order.sort_values(["model", "_parts", "_first"], ascending=[True, False, True])[["model", "length"]]
-    return [(model, length, board[(board["model"] == model) & (board["length"] == length)])
-            for model, length in keys.drop_duplicates().itertuples(index=False)]
+                         .astype(int), _inside=board["protocol"] != "question inside")
+    keys = order.sort_values(["model", "_inside", "protocol", "_parts", "_first"],
+                             ascending=[True, True, True, False, True])[["model", "protocol", "length"]]
+    return [(model, protocol, length, board[(board["model"] == model) & (board["protocol"] == protocol)
+                                            & (board["length"] == length)])
+            for model, protocol, length in keys.drop_duplicates().itertuples(index=False)]
 
 
-def title(model: str, length: str) -> str:
+def title(model: str, length: str, protocol: str = "") -> str:
     lengths = length.split("+")
-    if len(lengths) == 1:
-        return f"{model}, {length} tokens"
-    return f"{model}, {', '.join(lengths[:-1])} and {lengths[-1]} tokens together"
+    tokens = f"{length} tokens" if len(lengths) == 1 else f"{', '.join(lengths[:-1])} and {lengths[-1]} tokens together"
+    return ", ".join(filter(None, [model, tokens, protocol]))
 
 
 def markdown(board: pd.DataFrame) -> list[str]:
     """One table per model and length (``tables``): the full cache first, then by budget and score."""
     lines = []
-    for model, length, block in tables(board):
+    for model, protocol, length, block in tables(board):
         n = int(block["n"].max())
-        lines += [f"### {title(model, length)} ({n} samples per run)", "",
+        lines += [f"### {title(model, length, protocol)} ({n} samples per run)", "",
                   "| method | selection | budget | score [95 %] | KV kept | prefill | decode | perturbation - attention "
                   "[95 %] |", "|---|---|---:|---|---:|---:|---:|---|"]
         order = block.assign(_full=block["budget"].notna(), _budget=block["budget"].fillna(0))

@@ -117,8 +117,8 @@ def fmt(cell: dict, bold: tuple[str, str], with_paper: bool) -> str:
     return text
 
 
-def markdown(name: str, blocks: dict[str, list[dict]], with_paper: bool) -> str:
-    lines = [f"## {name}", ""]
+def markdown(name: str, blocks: dict[str, list[dict]], with_paper: bool, protocol: str | None = None) -> str:
+    lines = [f"## {name}", ""] + ([f"Protocol: {protocol}.", ""] if protocol else [])
     if with_paper:
         lines += ["Each cell: measured (paper, measured - paper).", ""]
     if any(c.get("significant") for rows in blocks.values() for r in rows for c in r["cells"].values()):
@@ -182,7 +182,9 @@ def write_tables(df: pd.DataFrame, out: Path, paper: pd.DataFrame | None = None,
         if group["budget"].isna().all():
             continue    # only the full cache's rows: every run of this table reads another selection
         blocks = {model: block(group, model, paper, significant) for model in group["model"].unique()}
-        text = markdown(name, blocks, paper is not None)
+        protocols = sorted(set(group["protocol"].dropna()))
+        assert len(protocols) <= 1, f"table {name} holds runs of protocols {protocols}"   # the setting is in its name
+        text = markdown(name, blocks, paper is not None, protocols[0] if protocols else None)
         (folder / f"{name}.md").write_text(text + "\n")
         (folder / f"{name}.tex").write_text(latex(name, blocks, paper is not None))
         wide_csv(blocks).to_csv(folder / f"{name}.csv", index=False)
