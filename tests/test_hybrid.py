@@ -7,7 +7,7 @@ architectures, and the models pcs refuses."""
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, DynamicCache, Gemma2Config, Gemma3TextConfig, MinistralConfig,
-                          MistralConfig, Olmo3Config, Qwen2Config)
+                          MistralConfig, Olmo3Config, Qwen2Config, Qwen3Config)
 
 import pcs.cache
 from pcs.cache import CompressedCache, sliding_block, sliding_prefill_attention
@@ -25,6 +25,9 @@ HYBRIDS = {
     "gemma3": lambda: tiny_model("gemma3"),
     # Qwen2 with use_sliding_window: layers from max_window_layers on slide.
     "qwen2": lambda: hybrid(Qwen2Config(**TINY, use_sliding_window=True, sliding_window=12, max_window_layers=2)),
+    # Qwen3: Qwen2's layout with per-head query and key norms (model=qwen3_8b attends fully; its norms are tested here)
+    "qwen3": lambda: hybrid(Qwen3Config(**TINY, head_dim=8, use_sliding_window=True, sliding_window=12,
+                                        max_window_layers=2)),
     # Mistral-7B-v0.1's config: no layer_types, a window in every layer.
     "mistral": lambda: hybrid(MistralConfig(**TINY, sliding_window=12)),
     # OLMo 3: three sliding layers to one full; its query norm spans every head's dimensions at once.

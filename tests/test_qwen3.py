@@ -1,11 +1,11 @@
-"""model=qwen3_8b: Qwen3's per-head query and key norms, on a tiny random Qwen3 (the 8B weights are the hub's).
-The methods score with the queries the model attends with, the full cache decodes as transformers' own greedy
-generation does, and the config composes with its chat template's arguments."""
+"""model=qwen3_8b on a tiny random Qwen3 (the 8B weights are the hub's): the full cache decodes as transformers'
+own greedy generation does, and the config composes with its chat template's arguments. Its per-head query and key
+norms go through every hybrid-model test (``tests/test_hybrid.py``'s qwen3: the queries the methods score with are
+the ones it attends with)."""
 import pytest
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM, Qwen3Config
 
-from pcs.compression import attention_modules, window_queries
 from pcs.config import validate
 from pcs.errors import ConfigError
 from pcs.eviction import build_method
@@ -20,33 +20,6 @@ from conftest import TINY, compose_cfg
 def tiny_qwen3():
     torch.manual_seed(0)
     return prepare(AutoModelForCausalLM.from_config(Qwen3Config(**TINY, head_dim=8)))
-
-
-@torch.no_grad()
-def test_window_queries_are_the_normed_rotated_queries_qwen3_attends_with():
-    model = tiny_qwen3()
-    assert all(m.q_norm.weight.shape[-1] == 8 for m in attention_modules(model))     # per head, before rotary
-    seen, rebuilt = {}, {}
-
-    def capture(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        seen[module.layer_idx] = query[0, :, -5:] * scaling * query.shape[-1] ** 0.5
-        return torch.zeros_like(query).transpose(1, 2), None
-
-    def rebuild(module, args, kwargs, output):
-        rebuilt[module.layer_idx] = window_queries(module, kwargs["hidden_states"], kwargs["position_embeddings"], 5)
-
-    AttentionInterface.register("capture_qwen3_queries", capture)
-    model.set_attn_implementation("capture_qwen3_queries")
-    handles = [m.register_forward_hook(rebuild, with_kwargs=True) for m in attention_modules(model)]
-    try:
-        model(input_ids=torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(1)))
-    finally:
-        for h in handles:
-            h.remove()
-        model.set_attn_implementation("pcs")
-    assert sorted(seen) == sorted(rebuilt) == list(range(TINY["num_hidden_layers"]))
-    for layer in seen:
-        torch.testing.assert_close(rebuilt[layer], seen[layer], rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()
