@@ -199,7 +199,7 @@ def check_scorer(cfg: DictConfig) -> None:
                           f"must hold them")
 
 
-TYPES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "list": (list,), "null": (type(None),)}
+TYPES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "list": (list,), "dict": (dict,), "null": (type(None),)}
 
 
 def type_of(value) -> str:
@@ -262,7 +262,7 @@ def check_knob_values(group: str, node: DictConfig) -> None:
                 raise ConfigError(f"{group}.{key}={shown} {bound}")
 
 
-TYPE_WORDS = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string", "list": "a list",
+TYPE_WORDS = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string", "list": "a list", "dict": "a mapping ({key: value})",
               "null": "null"}
 
 
