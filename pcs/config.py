@@ -36,12 +36,15 @@ DTYPES = ("float32", "bfloat16", "float16")
 # Knobs added to an option after runs were saved, each with the value that reproduces what a run saved
 # without it did. A saved config that lacks one reads as if it held that value (``upgraded``), so old runs
 # keep their folder, resume, and pair with new ones.
-# Runs saved before a method had a scorer ranked by the window's attention; before profiles had ``l1_norm`` every
+# Runs saved before a method had a scorer ranked by the window's attention, and before it had ``scorer_epsilon``
+# added none; before profiles had ``l1_norm`` every
 # profile summed |v W^O_h| as ``abs_sum`` does, and before ``window_cut`` every profile cut a window's prefix
 # ``apart`` (kvpress's profile now sums in torch.norm's order and cuts ``in_row``, another run, so its older runs
 # are not upgraded: they keep their folders and are refused as another run's config on resume).
 ADDED_KNOBS = {("benchmark", "needle"): {"query_aware": True, "follow_up": 0}, ("benchmark", "ruler"): {"follow_up": 0},
-               **{("method", m): {"scorer": "window_attention"} for m in ("snapkv", "adakv", "pyramidkv")},
+               **{("method", m): {"scorer": "window_attention", "scorer_epsilon": 0.0}
+                  for m in ("snapkv", "adakv", "pyramidkv")},
+               ("method", "expected_attention"): {"scorer_epsilon": 0.0},
                **{("profile", p): {"l1_norm": "abs_sum", "window_cut": "apart"}
                   for p in ("paper", "adakv", "kvcache_factory")}}
 
@@ -194,6 +197,10 @@ def check_scorer(cfg: DictConfig) -> None:
     if scorer.prompt and cfg.get("compress", {}).get("trigger") is not None:
         raise ConfigError(f"method.scorer={name} reads every query of the prompt, which only the prefill has: "
                           f"compress.trigger (decoding-time compression) cannot use it; set compress.trigger=null")
+    epsilon = cfg.method.get("scorer_epsilon") or 0
+    if epsilon and not scorer.epsilon:
+        raise ConfigError(f"method.scorer_epsilon={epsilon}: method.scorer={name} adds no epsilon to its scores "
+                          f"(only expected_attention does); leave it at 0")
     if scorer.sinks and not is_share(cfg.budget) and cfg.budget < scorer.sinks + (window or 0):
         raise ConfigError(f"method.scorer={name} always keeps the first {scorer.sinks} entries: budget={cfg.budget} "
                           f"must hold them")

@@ -90,12 +90,14 @@ def prompt_layer(seed, h_kv=2, h_q=6, n=40, d=8):
     return layer
 
 
-def test_expected_attention_is_the_expected_attention_of_a_gaussian_future_query_times_the_value_norm():
+@pytest.mark.parametrize("epsilon", [0.0, 1e-2])
+def test_expected_attention_is_the_expected_attention_of_a_gaussian_future_query_times_the_value_norm(epsilon):
     """kvpress 0.5.5 presses/expected_attention_press.py: the mean and (biased) covariance of the queries after the
     first 4 (lines 62-86), rotated by the mean of the next 512 positions' rotary matrices (lines 88-124; built here
     from the rotation of each pair of dimensions, not from kvpress's matrix formula), then per query head
-    exp(mu k / sqrt(d) + k Sigma k / 2d) normalised over the entries after the sinks, the group's mean, times ||v||,
-    the sinks at the maximum plus one (lines 126-165). In float64."""
+    exp(mu k / sqrt(d) + k Sigma k / 2d) normalised over the entries after the sinks, the group's mean, plus
+    epsilon (line 160; kvpress's leaderboard: 1e-2), times ||v||, the sinks at the maximum plus one (lines 126-165).
+    In float64."""
     layer = prompt_layer(6)
     q = layer.prompt.unrotated[:, 4:].double()
     h_q, s, d = q.shape
@@ -119,9 +121,9 @@ def test_expected_attention_is_the_expected_attention_of_a_gaussian_future_query
         k = keys[h // group]
         logits = torch.tensor([float(mean[h] @ kj) / math.sqrt(d) + float(kj @ cov[h] @ kj) / (2 * d) for kj in k])
         want[h // group] += torch.softmax(logits.double(), dim=0) / group
-    want *= values.norm(dim=-1)
+    want = (want + epsilon) * values.norm(dim=-1)
     want = torch.cat([torch.full((h_kv, 4), float(want.max()) + 1, dtype=torch.float64), want], dim=1)
-    torch.testing.assert_close(scorers.expected_attention(layer).double(), want, rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(scorers.expected_attention(layer, epsilon).double(), want, rtol=2e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("head_bytes", [scorers.OBSERVED_HEAD_BYTES, 40 * 4 * 6])
@@ -324,6 +326,29 @@ def test_adakv_over_a_scorer_keeps_what_adakvpress_keeps(name, ties):
     assert sum(len(got) for got in kept) == h_kv * budget and (ties or len({len(got) for got in kept}) > 1)
 
 
+def test_adakv_over_expected_attention_with_an_epsilon_keeps_what_kvpresss_leaderboard_press_keeps():
+    """kvpress's leaderboard runs ``AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))`` (evaluation/evaluate_registry.py):
+    ``method.scorer_epsilon`` reaches the scores, AdaKVPress's cut (lines 54-81) runs over them, and the epsilon
+    changes what is kept on this layer (the knob is not inert)."""
+    layer, budget = prompt_layer(5, h_kv=4, h_q=8), 20
+
+    def adakvpress(scores):
+        scores = scores.clone()
+        h_kv, n = scores.shape
+        scores.scatter_(-1, scores.topk(max(1, int(budget * 0.2)), dim=-1).indices, torch.finfo(scores.dtype).max)
+        held = torch.ones(h_kv * n, dtype=torch.bool)
+        held[(-scores).reshape(-1).topk(h_kv * (n - budget)).indices] = False
+        return [head.nonzero().flatten().tolist() for head in held.view(h_kv, n)]
+
+    kept = {}
+    for epsilon in (0.0, 1.0):
+        got = method("method=adakv", "method.scorer=expected_attention", "method.window=0",
+                     f"method.scorer_epsilon={epsilon}", f"budget={budget}").keep(layer)
+        kept[epsilon] = [g.tolist() for g in got]
+        assert kept[epsilon] == adakvpress(scorers.expected_attention(layer, epsilon))
+    assert kept[0.0] != kept[1.0]
+
+
 def test_the_criticalkv_preset_gives_every_scorer_its_own_window():
     """``preset_press/criticalkv_snapkv.yaml`` sets SnapKVPress's window 64 over the window's attention and each
     scorer's own window over a scorer (``scorers.SCORERS``: none, TOVA's newest entry), for SnapKV, PyramidKV and
@@ -424,6 +449,9 @@ def test_the_criticalkv_preset_over_a_scorer_is_criticalkvpress_over_its_press(n
     (["method=adakv", "method.scorer=observed_attention", "method.window=0", "compress.trigger=300", "budget=256"],
      "only the prefill has"),
     (["method=expected_attention", "budget=3"], "always keeps the first 4 entries"),
+    (["method=adakv", "method.scorer=knorm", "method.window=0", "method.scorer_epsilon=0.01"],
+     "method.scorer=knorm adds no epsilon"),
+    (["method=expected_attention", "method.scorer_epsilon=-1.0"], "scorer_epsilon"),
 ])
 def test_a_scorer_config_without_meaning_is_refused_before_torch_loads(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -23,12 +23,15 @@ class Scorer:
     second stage by the scorer's score times ``||v W^O||``, as kvpress's CriticalKVPress does over any press (over
     a negative score a larger norm ranks lower, as there); such a stage is searched exhaustively, since the
     bounded search assumes scores of at least zero. ``score``: (layer) -> (H_kv, n) scores (None for the window's
-    pooled attention, which the window methods compute themselves)."""
+    pooled attention, which the window methods compute themselves). ``epsilon``: it takes the method's
+    ``scorer_epsilon`` (``score(layer, epsilon)``), a constant added to each attention before the value norm scales it
+    (ExpectedAttentionPress's ``epsilon``; kvpress's leaderboard runs it at 1e-2)."""
     window: int | None
     signed: bool
     prompt: bool = False
     sinks: int = 0
     score: Callable | None = None
+    epsilon: bool = False
 
 
 EXPECTED_SINKS, EXPECTED_FUTURE = 4, 512     # ExpectedAttentionPress's n_sink and n_future_positions (lines 56-57)
@@ -70,9 +73,10 @@ def prompt_of(layer):
     return layer.prompt
 
 
-def expected_attention(layer):
-    """The attention a future query is expected to pay each entry, times the entry's value norm (kvpress 0.5.5
-    ``presses/expected_attention_press.py``, its defaults: covariance and value norms on, epsilon 0). Future queries
+def expected_attention(layer, epsilon: float = 0.0):
+    """The attention a future query is expected to pay each entry, plus ``epsilon``, times the entry's value norm
+    (kvpress 0.5.5 ``presses/expected_attention_press.py``, its defaults: covariance and value norms on, epsilon 0;
+    line 160: ``(scores + epsilon) * values.norm(dim=-1)``). Future queries
     are a Gaussian fitted to the prompt's queries before rotary, the first 4 left out (lines 62-86), rotated by the
     mean rotary matrix of the next 512 positions (lines 88-124); each entry scores
     ``softmax_j(mu k_j / sqrt(d) + k_j^T Sigma k_j / 2d)`` over the entries after the sinks, averaged over the KV
@@ -104,7 +108,7 @@ def expected_attention(layer):
     scores = torch.matmul(mean.unsqueeze(1), keys).squeeze(1) / math.sqrt(d)
     scores += torch.einsum("hin,hij,hjn->hn", keys, cov, keys) / d / 2
     scores = F.softmax(scores, dim=-1).view(n_kv, group, n).mean(dim=1)
-    scores = scores * values.norm(dim=-1)
+    scores = (scores + epsilon) * values.norm(dim=-1)
     return F.pad(scores, (sinks, 0), value=scores.max().item() + 1)
 
 
@@ -142,6 +146,7 @@ SCORERS = {
     "knorm": Scorer(window=None, signed=True, score=knorm),
     "keydiff": Scorer(window=None, signed=True, score=keydiff),
     "tova": Scorer(window=1, signed=False, score=tova),
-    "expected_attention": Scorer(window=0, signed=False, prompt=True, sinks=EXPECTED_SINKS, score=expected_attention),
+    "expected_attention": Scorer(window=0, signed=False, prompt=True, sinks=EXPECTED_SINKS, score=expected_attention,
+                                 epsilon=True),
     "observed_attention": Scorer(window=0, signed=False, prompt=True, score=observed_attention),
 }

@@ -31,6 +31,7 @@ class WindowEviction(Method):
     pooling: str = "max"
     conventions: Conventions = PAPER
     scorer: str = "window_attention"
+    scorer_epsilon: float = 0.0
 
     def __post_init__(self):
         check_room(self.budget, self.window)
@@ -81,8 +82,12 @@ class WindowEviction(Method):
     def scored(self, layer: LayerState, m: int, shared) -> WindowScores:
         """The prefix ranked by the method's scorer: per KV head, the scores standing for all its query heads where a
         second stage weighs them (as kvpress's CriticalKVPress multiplies its press's scores)."""
-        score = SCORERS[self.scorer].score
-        scores = (score(layer) if shared is None else shared.scorer(self.scorer, lambda: score(layer)))
+        scorer = SCORERS[self.scorer]
+        if scorer.epsilon:
+            score, name = (lambda layer: scorer.score(layer, self.scorer_epsilon)), f"{self.scorer}+{self.scorer_epsilon}"
+        else:
+            score, name = scorer.score, self.scorer
+        scores = (score(layer) if shared is None else shared.scorer(name, lambda: score(layer)))
         scores = scores[:, :m].float()                                                 # (H_kv, m)
         return WindowScores(scores, scores, scores, layer.values[:, :m], layer.o_proj_weight,
                             window=self.window, protected=self.protected(), conventions=self.conventions,
