@@ -33,6 +33,7 @@ import itertools
 import math
 from pathlib import Path
 
+from .budget import is_share
 from .config import compose, uses
 from .identity import RunIdentity
 from .paths import read_jsonl
@@ -59,8 +60,14 @@ def sweep_configs(overrides: list[str]) -> list:
     return [compose(list(overrides) + list(cell)) for cell in itertools.product(*axes)]
 
 
+RULER_SAMPLES = 500     # per task and length: RULER's count, and what kvpress's dataset holds
+
+
 def task_lengths(cfg, tokens_per_word: float) -> list[tuple[int, int]]:
-    """(prompt tokens, answer limit) per sample of a LongBench run: the data's word counts where at hand."""
+    """(prompt tokens, answer limit) per sample of a run: a LongBench run's from the data's word counts where at hand,
+    a RULER run's at each length less the task's answer limit (RULER fits prompt and answer within the length)."""
+    if cfg.benchmark.name in ("ruler", "ruler_kvpress"):
+        return ruler_lengths(cfg)
     from .benchmarks.longbench_data import MAX_NEW_TOKENS
     data_dir = Path(cfg.benchmark.data_dir) if cfg.benchmark.get("data_dir") else None
     out = []
@@ -74,6 +81,19 @@ def task_lengths(cfg, tokens_per_word: float) -> list[tuple[int, int]]:
         if cfg.benchmark.get("limit"):
             words = words[:cfg.benchmark.limit]
         out += [(min(round(w * tokens_per_word), cfg.model.max_length), MAX_NEW_TOKENS[task]) for w in words]
+    return out
+
+
+def ruler_lengths(cfg) -> list[tuple[int, int]]:
+    from .benchmarks.ruler_data import TASKS, default_lengths
+    bench = cfg.benchmark
+    lengths = bench.lengths if bench.lengths is not None else default_lengths(cfg.model.context_window)
+    counts = bench.n_samples if bench.n_samples is not None else RULER_SAMPLES
+    out = []
+    for length in lengths:
+        for i, task in enumerate(bench.tasks):
+            count = counts if isinstance(counts, int) else counts[i]
+            out += [(length - TASKS[task].new_tokens, TASKS[task].new_tokens)] * count
     return out
 
 
@@ -168,8 +188,18 @@ class Costs:
         self.rows = [r for r in rows if "decode_ms_per_token" in r]
 
     def of(self, method: str, selection: str, budget, key: str, pool: int | None = None) -> dict[int, float]:
+        """By context, ``key`` of the configuration; a share budget takes, per context, the row of the budget nearest
+        its entries there (``share x context``)."""
         def value(r):
             return r[key] if pool is None else r.get("pools", {}).get(str(pool), {}).get(key)
+        if is_share(budget):
+            rows = [r for r in self.rows if r["method"] == method and r["selection"] in (selection, "none")
+                    and r["budget"] and value(r) is not None]
+            out = {}
+            for context in {r["context"] for r in rows}:
+                at = [r for r in rows if r["context"] == context]
+                out[context] = value(min(at, key=lambda r: abs(r["budget"] - budget * context)))
+            return out
         match = [r for r in self.rows if r["method"] == method and (budget is None or
                  (r["selection"] in (selection, "none") and r["budget"] == budget))]
         return {r["context"]: value(r) for r in match if value(r) is not None}
@@ -248,15 +278,17 @@ def project_with_steps(overrides: list[str], costs: Costs, bench_file: str, step
         runs, cells = job_cells(cfgs, group)
         samples = task_lengths(runs[0], tokens_per_word)
         prefill = PrefillCosts(costs, cells)
-        alone = {cell: steps.alone(cell[2]) for cell in cells}
-        full = steps.alone(None)
+        by_entries = {None: steps.alone(None)}     # a step's cost by the entries a head holds (None: full)
         prefill_s = alone_s = pooled_s = 0.0
         for n, limit in samples:
             prefill_s += prefill.seconds(n)
             for cell in cells:
+                held = cell[2] if not is_share(cell[2]) else int(cell[2] * n)   # a share: its entries at n
                 # a prompt no longer than the budget is kept whole: it decodes as the full cache does
-                cost = alone[cell] if cell[2] is None or cell[2] < n else full
-                alone_s += limit * steps.at(cost, n) / 1000
+                held = held if held is not None and held < n else None
+                if held not in by_entries:
+                    by_entries[held] = steps.alone(held)
+                alone_s += limit * steps.at(by_entries[held], n) / 1000
                 if per_row:
                     pooled_s += limit * steps.at(per_row, n) / 1000
         hours = [prefill_s / 3600, alone_s / 3600, pooled_s / 3600]

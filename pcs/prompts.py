@@ -18,7 +18,7 @@ def chat_kwargs(model_cfg) -> dict:
 
 def encode_prompt(tokenizer, text: str, model_cfg, use_chat: bool = True, question: str = "",
                   special_tokens_after_chat: bool = False, answer_prefix: str = "",
-                  completion_cue: str = "") -> PromptIds:
+                  completion_cue: str = "", tail_after: bool = False) -> PromptIds:
     """The chat template adds its own special tokens; plain text gets the tokenizer's (the BOS).
     ``special_tokens_after_chat`` adds the tokenizer's to the chat-formatted text too, as LongBench's
     ``pred.py`` does (a tokenizer that adds a BOS then starts with two).
@@ -28,15 +28,22 @@ def encode_prompt(tokenizer, text: str, model_cfg, use_chat: bool = True, questi
     it (middle truncation cut into it), the whole prompt is the context. ``answer_prefix`` is put after
     the chat template's assistant header (the start of the answer, as RULER and kvpress prompt);
     ``completion_cue`` goes before it where no chat template applies (a pretrained model's prompt, which must
-    end where an answer starts, e.g. "Answer:").
+    end where an answer starts, e.g. "Answer:"). ``tail_after`` with no ``question``: the user's text is compressed
+    and what follows it (the chat template's tail, the answer prefix) is fed after compression, as kvpress's
+    pipeline feeds it with ``--query_aware`` (its ``preprocess`` splits the rendered template where the user's
+    text ends).
     """
     chat = bool(model_cfg.chat_template and use_chat and tokenizer.chat_template)
+    user = text
     if chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                              add_generation_prompt=True, **chat_kwargs(model_cfg))
+    user_end = text.rfind(user) + len(user) if tail_after and not question else None
+    if user_end is not None and user_end < len(user):
+        raise ValueError("the model's chat template rewrites the user's text: its tail cannot be fed apart")
     text += ("" if chat else completion_cue) + answer_prefix
     special = special_tokens_after_chat or not chat
-    split = text.rfind(question) if question else -1
+    split = text.rfind(question) if question else user_end if user_end is not None and user_end < len(text) else -1
     if split <= 0:
         return PromptIds(tokenizer(text, add_special_tokens=special).input_ids, None)
     context = tokenizer(text[:split], add_special_tokens=special).input_ids

@@ -44,6 +44,8 @@ class Sample:
     follow_ups: tuple[FollowUp, ...] = ()   # further questions (``benchmark.follow_up``)
     reply: str = ""                 # the first question's reference answer: a follow-up's history when the
                                     # question is inside the compressed prompt
+    tail_after: bool = False        # with no question apart, the prompt's tail after the user's text (the chat
+                                    # template's, the answer prefix) fed after compression (kvpress's --query_aware)
 
 
 class Benchmark:
@@ -68,7 +70,8 @@ class Benchmark:
     def encode(self, sample: Sample, tokenizer, model_cfg) -> PromptIds:
         """Token ids of a sample's prompt and its follow-ups (a benchmark may truncate the prompt first)."""
         prompt = encode_prompt(tokenizer, sample.prompt, model_cfg, use_chat=sample.chat, question=sample.question,
-                               answer_prefix=sample.answer_prefix, completion_cue=sample.completion_cue)
+                               answer_prefix=sample.answer_prefix, completion_cue=sample.completion_cue,
+                               tail_after=sample.tail_after)
         if not sample.follow_ups:
             return prompt
         return prompt._replace(follow_ups=follow_up_ids(
