@@ -15,7 +15,8 @@ OVERRIDES = ["experiment=leaderboard", "benchmark.n_samples=10"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def write_answers(results, overrides, right, kept=0.25, extra=0, sharded=False, lengths=(2048,), base=OVERRIDES):
+def write_answers(results, overrides, right, kept=0.25, extra=0, sharded=False, lengths=(2048,), base=OVERRIDES,
+                  follow_ups=None):
     """A run whose answers to niah_single_1 and niah_single_2 (10 each per length) are right at the indices
     ``right[task]`` (``right[(task, length)]`` where a length has its own);
     ``extra`` more niah_single_1 answers past those (a run ahead of the others); ``sharded``: a run of two shards
@@ -29,6 +30,9 @@ def write_answers(results, overrides, right, kept=0.25, extra=0, sharded=False, 
              "kv_cache_bytes": kept * 1000, "kv_cache_bytes_full": 1000}
             for length in lengths for task in ("niah_single_1", "niah_single_2") for i in range(10)]
     rows += [{**rows[0], "id": f"niah_single_1_2048_{10 + i}", "score": 0.0} for i in range(extra)]
+    if follow_ups is not None:      # the follow-ups' mean score per sample: 100 at the indices follow_ups[task]
+        for r in rows:
+            r["follow_up_score"] = 100.0 if int(r["id"].rsplit("_", 1)[1]) in follow_ups[r["task"]] else 0.0
     if not sharded:
         (folder / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     for k in range(2 if sharded else 0):
@@ -132,3 +136,49 @@ def test_a_bench_file_says_how_each_context_was_measured():
                                   "8192 tokens, medians of 1 round, 16 tokens decoded per round")
     same = [{"context": c, "repeats": 2, "decode_tokens": 16} for c in (2048, 4096)]
     assert bench_rounds(same) == "2048, 4096 tokens, medians of 2 rounds, 16 tokens decoded per round"
+
+
+def test_a_follow_up_table_scores_the_follow_ups_beside_the_first_question(tmp_path):
+    """experiment=leaderboard_follow_ups: the score is the follow-ups' mean, the first question's is beside it, and
+    the follow-ups minus the first question is paired within each task."""
+    root, base = tmp_path / "results", ["experiment=leaderboard_follow_ups", "benchmark.n_samples=10"]
+    write_answers(root, ["method=full"], {"niah_single_1": range(10), "niah_single_2": range(10)}, kept=1.0,
+                  base=base, follow_ups={"niah_single_1": range(10), "niah_single_2": range(8)})
+    write_answers(root, ["method=snapkv", "selection=attention", "budget=512"],
+                  {"niah_single_1": range(9), "niah_single_2": range(7)}, base=base,
+                  follow_ups={"niah_single_1": range(2), "niah_single_2": range(1)})
+    board = leaderboard(["leaderboard_follow_ups", base[1]], root, resamples=500)
+    rows = board.set_index("method")
+    assert rows.loc["snapkv", "score"] == pytest.approx(15.0)          # (20 + 10) / 2: the follow-ups
+    assert rows.loc["snapkv", "first"] == pytest.approx(80.0)          # (90 + 70) / 2: the first question
+    assert rows.loc["snapkv", "loss"] == pytest.approx(-65.0)
+    assert rows.loc["snapkv", "loss_low"] < -65.0 < rows.loc["snapkv", "loss_high"] < 0
+    assert rows.loc["full", "protocol"] == "question inside + 3 follow-ups after compression"
+    out = tmp_path / "board"
+    assert main(["--results", str(root), "--leaderboard", "leaderboard_follow_ups", base[1], "--out", str(out),
+                 "--resamples", "200"]) == 0
+    readme = (out / "README.md").read_text()
+    assert "| first question [95 %] | follow-ups - first [95 %] |" in readme
+    assert "| snapkv | attention | 512 | 15.0 [" in readme and "| 80.0 [" in readme and "| -65.0 [" in readme
+
+
+def test_shares_of_the_prompt_are_also_tabled_by_compression_ratio_as_kvpress_does(tmp_path):
+    root = tmp_path / "results"
+    base = ["experiment=leaderboard_gemma", "benchmark.n_samples=10", "benchmark.lengths=[4096]"]
+    both = {"niah_single_1": range(10), "niah_single_2": range(10)}
+    write_answers(root, ["method=full"], both, kept=1.0, lengths=(4096,), base=base)
+    for budget, right in ((0.5, range(8)), (0.25, range(3))):
+        write_answers(root, ["method=knorm", "selection=attention", f"budget={budget}"],
+                      {"niah_single_1": right, "niah_single_2": right}, lengths=(4096,), base=base)
+    write_answers(root, ["method=tova", "selection=attention", "budget=0.5"],
+                  {"niah_single_1": range(10), "niah_single_2": range(9)}, lengths=(4096,), base=base)
+    out = tmp_path / "board"
+    assert main(["--results", str(root), "--leaderboard", "leaderboard_gemma", *base[1:], "--out", str(out),
+                 "--resamples", "200"]) == 0
+    readme = (out / "README.md").read_text()
+    table = readme[readme.index("By compression ratio"):]
+    assert "the full cache scores 100.0" in table.splitlines()[0]
+    assert "| method | selection | 0.5 | 0.75 |" in table
+    rows = [line for line in table.splitlines() if line.startswith(("| knorm", "| tova"))]
+    assert rows[0].startswith("| tova | attention | 95.0 [") and rows[0].endswith("| - |")   # best mean first
+    assert rows[1].startswith("| knorm | attention | 80.0 [") and "| 30.0 [" in rows[1]

@@ -17,7 +17,8 @@ from ..run_folder import all_rows
 from .significance import RESAMPLES, SEED, paired_bootstrap, scores_frame, strata_of
 
 COLUMNS = ["model", "protocol", "length", "method", "selection", "budget", "n", "score", "ci_low", "ci_high", "kv_kept",
-           "prefill_rel", "decode_rel", "effect", "effect_low", "effect_high", "run_dir"]
+           "prefill_rel", "decode_rel", "effect", "effect_low", "effect_high", "first", "first_low", "first_high",
+           "loss", "loss_low", "loss_high", "run_dir"]
 
 
 def experiment_runs(experiment: str, results: Path, overrides: list[str] = ()) -> dict[Path, RunIdentity]:
@@ -38,9 +39,13 @@ def answered(run_dir: Path) -> pd.DataFrame:
     entries kept; a run with follow-up questions scored on them (``follow_up_score``: its protocol's answers, the
     first question being the other protocol's)."""
     rows = all_rows(run_dir)
+    first = None
     if rows and "follow_up_score" in rows[0]:
+        first = [row["score"] for row in rows]
         rows = [{**row, "score": row["follow_up_score"]} for row in rows]
     frame = scores_frame(rows, run_dir)
+    if first is not None:
+        frame["first"] = first          # the first question's score, beside the follow-ups' mean
     frame["kv_kept"] = [r["kv_cache_bytes"] / r["kv_cache_bytes_full"] for r in rows]
     return frame.drop_duplicates("id", keep="last").sort_values("id", kind="stable").reset_index(drop=True)
 
@@ -129,7 +134,14 @@ def row(identity, path, frame, lengths: list[int], frames, runs, costs, resample
            "selection": identity.selection_label, "budget": cfg.budget if identity.reads_budget else None,
            "n": score.n, "score": score.delta, "ci_low": score.ci_low, "ci_high": score.ci_high,
            "kv_kept": float(frame.loc[at_length, "kv_kept"].mean()), "effect": np.nan, "effect_low": np.nan,
-           "effect_high": np.nan, "run_dir": str(path)}
+           "effect_high": np.nan, "first": np.nan, "first_low": np.nan, "first_high": np.nan, "loss": np.nan,
+           "loss_low": np.nan, "loss_high": np.nan, "run_dir": str(path)}
+    if "first" in frame:      # follow-ups: the first question's score, and the follow-ups' against it, paired
+        first = frame["first"].to_numpy(dtype=float)
+        asked = paired_bootstrap(first, strata, resamples, seed)
+        loss = paired_bootstrap(frame["score"].to_numpy(dtype=float) - first, strata, resamples, seed)
+        out.update(first=asked.delta, first_low=asked.ci_low, first_high=asked.ci_high, loss=loss.delta,
+                   loss_low=loss.ci_low, loss_high=loss.ci_high)
     out["prefill_rel"], out["decode_rel"] = np.mean([cost_of(costs, identity, length) for length in lengths], axis=0)
     if identity.reads_selection and cfg.selection.name != "attention":
         base = next((p for p, i in runs.items() if i.cfg.method.name == cfg.method.name
@@ -161,24 +173,57 @@ def title(model: str, length: str, protocol: str = "") -> str:
     return ", ".join(filter(None, [model, tokens, protocol]))
 
 
+def interval(r, key: str, signed: bool = False) -> str:
+    """``r[key] [low, high]``, with * where a signed difference's interval excludes zero; - where there is none."""
+    value, low, high = r[key], r[f"{key}_low" if key != "score" else "ci_low"], r[f"{key}_high" if key != "score" else "ci_high"]
+    if pd.isna(value):
+        return "-"
+    form = "{:+.1f}" if signed else "{:.1f}"
+    if pd.isna(low):
+        return form.format(value)
+    star = "*" if signed and (low > 0 or high < 0) else ""
+    return f"{form.format(value)} [{form.format(low)}, {form.format(high)}]{star}"
+
+
 def markdown(board: pd.DataFrame) -> list[str]:
-    """One table per model and length (``tables``): the full cache first, then by budget and score."""
+    """One table per model and length (``tables``): the full cache first, then by budget and score; a table of
+    follow-ups adds the first question's score and the follow-ups' difference to it (paired); a table whose budgets
+    are shares of the prompt is also given as kvpress's leaderboard gives it (``by_ratio``)."""
     lines = []
     for model, protocol, length, block in tables(board):
         n = int(block["n"].max())
+        follow = block["first"].notna().any()
+        extra = " first question [95 %] | follow-ups - first [95 %] |" if follow else ""
         lines += [f"### {title(model, length, protocol)} ({n} samples per run)", "",
                   "| method | selection | budget | score [95 %] | KV kept | prefill | decode | perturbation - attention "
-                  "[95 %] |", "|---|---|---:|---|---:|---:|---:|---|"]
+                  "[95 %] |" + extra, "|---|---|---:|---|---:|---:|---:|---|" + ("---|---|" if follow else "")]
         order = block.assign(_full=block["budget"].notna(), _budget=block["budget"].fillna(0))
         for _, r in order.sort_values(["_full", "_budget", "score"], ascending=[True, True, False]).iterrows():
             budget = "-" if pd.isna(r["budget"]) else f"{r['budget']:g}"
-            score = f"{r['score']:.1f} [{r['ci_low']:.1f}, {r['ci_high']:.1f}]" if not pd.isna(r["ci_low"]) \
-                else f"{r['score']:.1f}"
             costs = ["-" if pd.isna(r[c]) else f"{r[c]:.2f}x" for c in ("prefill_rel", "decode_rel")]
-            effect = "-" if pd.isna(r["effect"]) else f"{r['effect']:+.1f}" if pd.isna(r["effect_low"]) else (
-                f"{r['effect']:+.1f} [{r['effect_low']:+.1f}, {r['effect_high']:+.1f}]"
-                + ("*" if r["effect_low"] > 0 or r["effect_high"] < 0 else ""))
-            lines.append(f"| {r['method']} | {r['selection']} | {budget} | {score} | {100 * r['kv_kept']:.1f} % | "
-                         f"{costs[0]} | {costs[1]} | {effect} |")
+            lines.append(f"| {r['method']} | {r['selection']} | {budget} | {interval(r, 'score')} | "
+                         f"{100 * r['kv_kept']:.1f} % | {costs[0]} | {costs[1]} | {interval(r, 'effect', True)} |"
+                         + (f" {interval(r, 'first')} | {interval(r, 'loss', True)} |" if follow else ""))
         lines.append("")
+        lines += by_ratio(block)
     return lines
+
+
+def by_ratio(block: pd.DataFrame) -> list[str]:
+    """A table of shares as kvpress's leaderboard reads: a row per method and selection, a column per compression
+    ratio (1 - share), each cell its score [95 %]; nothing for a table of entry budgets or one share."""
+    budgets = block["budget"].dropna()
+    if budgets.empty or not all(isinstance(b, float) for b in budgets) or budgets.nunique() < 2:
+        return []
+    ratios = sorted({round(1 - b, 6) for b in budgets})
+    full = block[block["budget"].isna()]
+    lines = ["By compression ratio (kvpress's: the share of each prompt evicted)"
+             + (f"; the full cache scores {interval(full.iloc[0], 'score')}" if not full.empty else "") + ":", "",
+             "| method | selection | " + " | ".join(f"{r:g}" for r in ratios) + " |",
+             "|---|---|" + "---|" * len(ratios)]
+    compressed = block[block["budget"].notna()]
+    groups = sorted(compressed.groupby(["method", "selection"], sort=False), key=lambda g: -g[1]["score"].mean())
+    for (method, selection), rows in groups:      # best mean over the ratios first
+        cells = {round(1 - r["budget"], 6): interval(r, "score") for _, r in rows.iterrows()}
+        lines.append(f"| {method} | {selection} | " + " | ".join(cells.get(r, "-") for r in ratios) + " |")
+    return lines + [""]
