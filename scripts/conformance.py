@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LONGBENCH = Path(__file__).resolve().parent / "conformance_data" / "multi_news_first.jsonl"
 FLOOR, SINKS, BETA = 0.2, 4, 20
+EPSILON = 1e-2      # ExpectedAttentionPress's epsilon on kvpress's leaderboard (evaluation/evaluate_registry.py)
 SETTINGS = {"w32_k7": (32, 7), "kvpress_defaults": (64, 5)}
 SCORERS = {"knorm": "KnormPress", "keydiff": "KeyDiffPress", "tova": "TOVAPress",
            "expected_attention": "ExpectedAttentionPress", "observed_attention": "ObservedAttentionPress"}
@@ -51,6 +52,9 @@ CASES = {
     **{f"adakv_{s}": ("adakv", [f"method.scorer={s}", f"method.window={int(s == 'tova')}"]) for s in WRAPPED["adakv"]},
     **{f"criticalkv_{s}": (s, ["preset=criticalkv"]) for s in WRAPPED["criticalkv"]},
     **{f"criticaladakv_{s}": ("adakv", ["preset=criticalkv", f"method.scorer={s}"]) for s in WRAPPED["criticaladakv"]},
+    # kvpress's leaderboard press (press=expected_attention): AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))
+    "adakv_expected_attention_epsilon": ("adakv", ["method.scorer=expected_attention", "method.window=0",
+                                                   f"method.scorer_epsilon={EPSILON}"]),
 }
 EAGER = {"observed_attention", "criticalkv_observed_attention"}   # kvpress reads an eager prefill's weights
 # Tie cells: entries start, start + step, ... below n - below become copies of entry start, in every layer.
@@ -71,6 +75,7 @@ CONTROLS = {
     **{f"adakv_{s}": ["method.floor=0"] for s in WRAPPED["adakv"] if s not in ("knorm", "tova")},
     # TOVA ranks alike in every KV head, so AdaKV's safeguard changes nothing: each KV head's own query heads instead
     "adakv_tova": ["method.scorer=window_attention", "method.kernel=1"],
+    "adakv_expected_attention_epsilon": ["method.scorer_epsilon=0"],     # no epsilon: ExpectedAttentionPress's default
     # a quarter of the budget in stage 1: first_stage_ratio is 0.5
     **{f"critical{w}_{s}": ["selection.alpha=0.25"] for w in ("kv", "adakv") for s in WRAPPED[f"critical{w}"]},
 }
@@ -81,7 +86,8 @@ PRESSES = {"snapkv": "SnapKVPress", "pyramidkv": "PyramidKVPress", "adakv": "Ada
            "streamingllm": "StreamingLLMPress", "criticalkv": "CriticalKVPress(SnapKVPress)",
            "criticalkv_alpha0.25": "CriticalKVPress(SnapKVPress, first_stage_ratio=0.25)",
            "criticaladakv": "CriticalAdaKVPress(SnapKVPress)", **SCORERS,
-           **{f"{w}_{s}": f"{WRAPPERS[w]}({SCORERS[s]})" for w, scorers in WRAPPED.items() for s in scorers}}
+           **{f"{w}_{s}": f"{WRAPPERS[w]}({SCORERS[s]})" for w, scorers in WRAPPED.items() for s in scorers},
+           "adakv_expected_attention_epsilon": f"AdaKVPress(ExpectedAttentionPress(epsilon={EPSILON:g}))"}
 
 
 # ---- kvpress side (runs in kvpress's environment; imports nothing from pcs) ----
@@ -105,6 +111,9 @@ def kvpress_press(case: str, ratio: float, window: int, kernel: int):
         return kvpress.CriticalAdaKVPress(scorer, alpha_safeguard=FLOOR)
     if case in SCORERS:
         return getattr(kvpress, SCORERS[case])(compression_ratio=ratio)
+    if case == "adakv_expected_attention_epsilon":
+        return kvpress.AdaKVPress(kvpress.ExpectedAttentionPress(compression_ratio=ratio, epsilon=EPSILON),
+                                  alpha_safeguard=FLOOR)
     wrapper, _, scorer = case.partition("_")
     if wrapper not in WRAPPED or scorer not in WRAPPED[wrapper]:
         raise ValueError(case)
