@@ -39,9 +39,23 @@ def describe(cfgs: list[DictConfig], groups: list[list[int]], launcher: str, sha
         unique = list(dict.fromkeys(names))
         jobs = (f"jobs {number * shards}-{number * shards + shards - 1} (shards 0-{shards - 1})" if shards > 1
                 else f"job {number}")
-        lines.append(f"  {jobs}: model={first.model.name} benchmark={first.benchmark.name}, {len(unique)} run(s)")
+        lines.append(f"  {jobs}: model={first.model.name} benchmark={first.benchmark.name}{job_samples([cfgs[i] for i in group])}, "
+                     f"{len(unique)} run(s)")
         lines += [f"    {name}" for name in unique]
     return "\n".join(lines)
+
+
+def job_samples(cfgs: list[DictConfig]) -> str:
+    """What a job's runs answer, where its benchmark says: `` (13 tasks at 4096 tokens, question after compression;
+    budgets 0.75, 0.5)``."""
+    bench, identity = cfgs[0].benchmark, RunIdentity(cfgs[0])
+    what = [f"{len(bench.tasks)} task{'s' if len(bench.tasks) > 1 else ''}"] if bench.get("tasks") else []
+    if bench.get("lengths"):
+        what[-1:] = [" at ".join(what[-1:] + [f"{', '.join(map(str, bench.lengths))} tokens"])]
+    what += [identity.protocol] if identity.protocol else []
+    budgets = list(dict.fromkeys(c.budget for c in cfgs if RunIdentity(c).reads_budget))
+    out = ", ".join(what) + (f"; budgets {', '.join(f'{b:g}' for b in budgets)}" if budgets else "")
+    return f" ({out})" if out else ""
 
 
 def one_model_per_path(cfgs: list[DictConfig]) -> None:

@@ -153,6 +153,9 @@ def test_the_leaderboard_dry_runs_and_is_priced(tmp_path):
                          cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "41 runs, in 2 local job(s)" in out.stdout and out.stdout.count("ruler_kvpress/qwen3_8b/") == 41
+    for protocol, runs in (("question after compression", 33), ("question inside", 8)):
+        assert (f"model=qwen3_8b benchmark=ruler_kvpress (13 tasks at 4096 tokens, {protocol}; budgets 0.75, 0.5, "
+                f"0.25, 0.125), {runs} run(s)") in out.stdout
     absent = subprocess.run([sys.executable, "run.py", "-m", "experiment=kvpress_leaderboard",
                              f"benchmark.data_dir={tmp_path / 'none'}", "hydra.launcher.dry_run=true"],
                             cwd=ROOT, capture_output=True, text=True)
