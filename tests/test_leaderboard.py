@@ -160,6 +160,7 @@ def test_a_follow_up_table_scores_the_follow_ups_beside_the_first_question(tmp_p
     readme = (out / "README.md").read_text()
     assert "| first question [95 %] | follow-ups - first [95 %] |" in readme
     assert "| snapkv | attention | 512 | 15.0 [" in readme and "| 80.0 [" in readme and "| -65.0 [" in readme
+    assert "By compression ratio" not in readme           # entries, not shares: no such table
 
 
 def test_shares_of_the_prompt_are_also_tabled_by_compression_ratio_as_kvpress_does(tmp_path):

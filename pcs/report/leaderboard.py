@@ -213,7 +213,7 @@ def by_ratio(block: pd.DataFrame) -> list[str]:
     """A table of shares as kvpress's leaderboard reads: a row per method and selection, a column per compression
     ratio (1 - share), each cell its score [95 %]; nothing for a table of entry budgets or one share."""
     budgets = block["budget"].dropna()
-    if budgets.empty or not all(isinstance(b, float) for b in budgets) or budgets.nunique() < 2:
+    if budgets.empty or not all(0 < b < 1 for b in budgets) or budgets.nunique() < 2:   # shares lie in (0, 1)
         return []
     ratios = sorted({round(1 - b, 6) for b in budgets})
     full = block[block["budget"].isna()]
