@@ -46,6 +46,18 @@ def longbench_files(folder: Path) -> Path:
     return folder
 
 
+def kvpress_ruler_files(folder: Path, lengths=(4096,)) -> Path:
+    """One row per RULER task at each length, laid out as kvpress's hub dataset ``simonjegou/ruler`` holds them
+    (``<length>/*.parquet``): what benchmark=ruler_kvpress reads, so that a dry run checks its data."""
+    import pandas as pd
+    from pcs.benchmarks.ruler_data import TASKS
+    row = {"context": "c", "question": "q", "answer_prefix": "a", "answer": ["x"], "max_new_tokens": 32}
+    for length in lengths:
+        (folder / str(length)).mkdir(parents=True, exist_ok=True)
+        pd.DataFrame([{**row, "task": t} for t in TASKS]).to_parquet(folder / str(length) / "test-00000-of-00001.parquet")
+    return folder
+
+
 def compose_cfg(*overrides: str):
     return compose(overrides)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from conftest import longbench_files
+from conftest import kvpress_ruler_files, longbench_files
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = str(ROOT / "pcs" / "conf")
@@ -83,11 +83,12 @@ def shown(command: str) -> list[str]:
 @pytest.fixture(scope="module")
 def sweeps_shown(tmp_path_factory):
     """Each documented sweep's exit code and error output from ``run.py -m ... --cfg job``, with the data folder
-    the docs name (``/data/longbench``) and the default one (``$PCS_CACHE_DIR/longbench``) holding LongBench files."""
+    the docs name (``/data/longbench``) and the default one (``$PCS_CACHE_DIR/longbench``) holding LongBench files, and kvpress's RULER in its default folder."""
     import json
     import os
     cache = tmp_path_factory.mktemp("cache")
     data = longbench_files(cache / "longbench")
+    kvpress_ruler_files(cache / "ruler_kvpress")
     argvs = [[a.replace("/data/longbench", str(data)) for a in shown(c)] for c in SWEEPS]
     done = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PCS_CACHE_DIR": str(cache)})

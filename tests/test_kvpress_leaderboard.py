@@ -16,7 +16,7 @@ from pcs.identity import RunIdentity
 from pcs.projection import project, sweep_configs
 from pcs.sweep import plan
 
-from conftest import compose_cfg
+from conftest import compose_cfg, kvpress_ruler_files
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ["niah_single_1", "niah_multikey_1", "vt", "cwe", "fwe"]
@@ -144,10 +144,7 @@ def test_the_leaderboard_sweeps_kvpresss_presses_ratios_and_protocols():
 
 
 def test_the_leaderboard_dry_runs_and_is_priced(tmp_path):
-    (tmp_path / "4096").mkdir()
-    row = {"context": "c", "question": "q", "answer_prefix": "a", "answer": ["x"], "max_new_tokens": 32}
-    tasks = compose(["benchmark=ruler_kvpress"]).benchmark.tasks
-    pd.DataFrame([{**row, "task": t} for t in tasks]).to_parquet(tmp_path / "4096" / "test-00000-of-00001.parquet")
+    kvpress_ruler_files(tmp_path)
     out = subprocess.run([sys.executable, "run.py", "-m", "experiment=kvpress_leaderboard",
                           f"benchmark.data_dir={tmp_path}", "hydra.launcher.dry_run=true"],
                          cwd=ROOT, capture_output=True, text=True)
