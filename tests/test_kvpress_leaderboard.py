@@ -100,10 +100,14 @@ def test_n_samples_takes_each_tasks_first_rows_and_bad_data_stops_before_the_mod
         build_benchmark(compose_cfg(*settings, f"benchmark.data_dir={tmp_path}")).check()
     (tmp_path / "1024").mkdir()
     pd.DataFrame([{"context": "c", "question": "q"}]).to_parquet(tmp_path / "1024" / "test.parquet")
-    short = build_benchmark(compose_cfg(*settings, f"benchmark.data_dir={tmp_path}"))
-    short.check()
-    with pytest.raises(ValueError, match="lack columns"):
-        short.samples(tokenizer)
+    with pytest.raises(ValueError, match="lacks columns"):
+        build_benchmark(compose_cfg(*settings, f"benchmark.data_dir={tmp_path}")).check()
+    one = tmp_path / "one_task"
+    (one / "1024").mkdir(parents=True)
+    pd.DataFrame([{"context": "c", "question": "q", "answer_prefix": "a", "answer": ["x"], "task": "niah_single_1",
+                   "max_new_tokens": 32}]).to_parquet(one / "1024" / "test.parquet")
+    with pytest.raises(ValueError, match=r"holds no rows of \['vt'\]"):
+        build_benchmark(compose_cfg(*settings, f"benchmark.data_dir={one}")).check()
 
 
 PRESSES = {   # kvpress's leaderboard name -> (method, knobs that make it that press under profile=kvpress)

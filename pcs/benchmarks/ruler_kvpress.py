@@ -40,15 +40,26 @@ def length_files(folder: Path, length: int) -> list[Path]:
     return sorted((folder / str(length)).glob("*.parquet"))
 
 
+def check_files(files: list[Path], tasks) -> None:
+    """One length's files hold kvpress's columns and rows of every task asked (their schema and task column read,
+    not their rows: a dry run checks them in a second)."""
+    import pyarrow.parquet as pq
+    for path in files:
+        missing = [c for c in COLUMNS if c not in pq.read_schema(path).names]
+        if missing:
+            raise ValueError(f"{path}: the file lacks columns {missing}; kvpress's RULER rows hold "
+                             f"{', '.join(COLUMNS)}")
+    held = {task for path in files for task in pq.read_table(path, columns=["task"]).column("task").to_pylist()}
+    absent = [t for t in tasks if t not in held]
+    if absent:
+        raise ValueError(f"{files[0].parent} holds no rows of {absent}: it holds {sorted(held)}")
+
+
 def read_rows(files: list[Path]) -> list[dict]:
-    """The rows of one length's parquet files, in the dataset's order, their columns checked."""
+    """The rows of one length's parquet files, in the dataset's order (``check_files`` has checked them)."""
     import pandas as pd
-    frame = pd.concat([pd.read_parquet(path) for path in files], ignore_index=True)
-    missing = [c for c in COLUMNS if c not in frame.columns]
-    if missing:
-        raise ValueError(f"{files[0].parent}: the files lack columns {missing}; kvpress's RULER rows hold "
-                         f"{', '.join(COLUMNS)}")
-    return [{**row, "answer": [str(a) for a in row["answer"]]} for row in frame[list(COLUMNS)].to_dict("records")]
+    frame = pd.concat([pd.read_parquet(path, columns=list(COLUMNS)) for path in files], ignore_index=True)
+    return [{**row, "answer": [str(a) for a in row["answer"]]} for row in frame.to_dict("records")]
 
 
 class KvpressRuler(Ruler):
@@ -99,7 +110,8 @@ class KvpressRuler(Ruler):
         long = [n for n in self.lengths if n > window]
         if long:
             raise ValueError(f"benchmark.lengths {long}: model={self.run_cfg.model.name} has {window} positions")
-        self.folder
+        for length in self.lengths:
+            check_files(length_files(self.folder, length), self.cfg.tasks)
 
     def samples(self, tokenizer) -> list[Sample]:
         out = []
@@ -109,9 +121,6 @@ class KvpressRuler(Ruler):
             by_task: dict[str, list[dict]] = {}
             for row in read_rows(files):
                 by_task.setdefault(row["task"], []).append(row)
-            absent = [t for t in self.cfg.tasks if t not in by_task]
-            if absent:
-                raise ValueError(f"{files[0].parent} holds no rows of {absent}: it holds {sorted(by_task)}")
             for task in self.cfg.tasks:
                 rows = by_task[task][:self.cfg.n_samples]
                 for index, row in enumerate(rows):
