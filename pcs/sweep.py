@@ -49,9 +49,9 @@ def job_samples(cfgs: list[DictConfig]) -> str:
     """What a job's runs answer, where its benchmark says: `` (13 tasks at 4096 tokens, question after compression;
     budgets 0.75, 0.5)``."""
     bench, identity = cfgs[0].benchmark, RunIdentity(cfgs[0])
-    what = [f"{len(bench.tasks)} task{'s' if len(bench.tasks) > 1 else ''}"] if bench.get("tasks") else []
-    if bench.get("lengths"):
-        what[-1:] = [" at ".join(what[-1:] + [f"{', '.join(map(str, bench.lengths))} tokens"])]
+    tasks = f"{len(bench.tasks)} task{'s' if len(bench.tasks) > 1 else ''}" if bench.get("tasks") else ""
+    lengths = f"{', '.join(map(str, bench.lengths))} tokens" if bench.get("lengths") else ""
+    what = [" at ".join(filter(None, [tasks, lengths]))] if tasks or lengths else []
     what += [identity.protocol] if identity.protocol else []
     budgets = list(dict.fromkeys(c.budget for c in cfgs if RunIdentity(c).reads_budget))
     out = ", ".join(what) + (f"; budgets {', '.join(f'{b:g}' for b in budgets)}" if budgets else "")

@@ -66,10 +66,21 @@ class Ruler(Benchmark):
         super().__init__(cfg)
         self.digests: dict[str, str] = {}    # per task and length, the samples' SHA-256 (provenance)
 
-    def check(self) -> None:
+    def check_tasks_and_lengths(self) -> None:
+        """RULER's tasks, a known normalisation and lengths within the model's window (what every RULER source
+        checks)."""
         unknown = [t for t in self.cfg.tasks if t not in TASKS]
         if unknown:
             raise ValueError(f"benchmark.tasks: {unknown} are not RULER tasks; choose from: {', '.join(TASKS)}")
+        if self.cfg.normalize not in NORMALIZE:
+            raise ValueError(f"benchmark.normalize={self.cfg.normalize!r}: choose ruler or kvpress")
+        window = self.run_cfg.model.context_window
+        long = [n for n in self.lengths if n > window]
+        if long:
+            raise ValueError(f"benchmark.lengths {long}: model={self.run_cfg.model.name} has {window} positions")
+
+    def check(self) -> None:
+        self.check_tasks_and_lengths()
         counts = [self.cfg.n_samples] if isinstance(self.cfg.n_samples, int) else list(self.cfg.n_samples)
         if not isinstance(self.cfg.n_samples, int) and len(counts) != len(self.cfg.tasks):
             raise ValueError(f"benchmark.n_samples lists {len(counts)} counts for {len(self.cfg.tasks)} tasks: "
@@ -81,15 +92,9 @@ class Ruler(Benchmark):
         if follow_up and without:
             raise ValueError(f"benchmark.follow_up={follow_up}: {', '.join(without)} have no other facts to ask "
                              f"about; follow-ups ask for other needles of {', '.join(NIAH)}")
-        if self.cfg.normalize not in NORMALIZE:
-            raise ValueError(f"benchmark.normalize={self.cfg.normalize!r}: choose ruler or kvpress")
         short = [n for n in self.lengths if n < 512]
         if short:
             raise ValueError(f"benchmark.lengths {short}: RULER's prompts need at least 512 tokens")
-        window = self.run_cfg.model.context_window
-        long = [n for n in self.lengths if n > window]
-        if long:
-            raise ValueError(f"benchmark.lengths {long}: model={self.run_cfg.model.name} has {window} positions")
         word_lists()
         essay_files(self.cfg.haystack_dir)
         for task in self.cfg.tasks:

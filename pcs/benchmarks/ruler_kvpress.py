@@ -23,7 +23,6 @@ from ..paths import default_cache_dir
 from ..provenance import sha256_files
 from .base import Sample
 from .ruler import Ruler
-from .ruler_data import TASKS
 
 HUB_REPO = "simonjegou/ruler"
 COLUMNS = ("context", "question", "answer_prefix", "answer", "task", "max_new_tokens")
@@ -98,18 +97,10 @@ class KvpressRuler(Ruler):
         return folder
 
     def check(self) -> None:
-        unknown = [t for t in self.cfg.tasks if t not in TASKS]
-        if unknown:
-            raise ValueError(f"benchmark.tasks: {unknown} are not RULER tasks; choose from: {', '.join(TASKS)}")
+        self.check_tasks_and_lengths()
         if self.cfg.n_samples is not None and (not isinstance(self.cfg.n_samples, int) or self.cfg.n_samples < 1):
             raise ValueError(f"benchmark.n_samples={self.cfg.n_samples}: the first N samples of each task, or null "
                              "for all of them")
-        if self.cfg.normalize not in ("ruler", "kvpress"):
-            raise ValueError(f"benchmark.normalize={self.cfg.normalize!r}: choose ruler or kvpress")
-        window = self.run_cfg.model.context_window
-        long = [n for n in self.lengths if n > window]
-        if long:
-            raise ValueError(f"benchmark.lengths {long}: model={self.run_cfg.model.name} has {window} positions")
         for length in self.lengths:
             check_files(length_files(self.folder, length), self.cfg.tasks)
 
