@@ -227,11 +227,13 @@ def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer, o
 
 class LayerChoices:
     """One method's kept entries, layer by layer during a prefill. A model-wide method only scores each
-    layer as it passes and chooses for all layers in ``finish``, once all are seen."""
+    layer as it passes and chooses for all layers in ``finish``, once all are seen; one scored by a reconstruction
+    (``Method.reconstruction``) only notes the layers it chooses in, its scores coming to ``finish``."""
 
     def __init__(self, method: Method, n_layers: int):
         self.given = self.method = method   # ``method`` as configured; ``self.method``: for the prompt at hand
         self.kept, self.scores, self.n_tokens = [None] * n_layers, {}, 0
+        self.layers: list[int] = []         # the layers it chooses in (a reconstruction's)
 
     def add(self, state: LayerState):
         """The layer's kept entries if they are known now (None: kept whole, or chosen in ``finish``)."""
@@ -239,18 +241,44 @@ class LayerChoices:
         if not self.method.model_wide:
             self.kept[state.layer_idx] = self.method.keep(state)
             return self.kept[state.layer_idx]
+        if self.method.reconstruction is not None:
+            self.layers.append(state.layer_idx)
+            self.n_tokens = state.n_tokens
+            return None
         scores = self.method.score(state)
         if scores is not None:
             self.scores[state.layer_idx], self.n_tokens = scores, state.n_tokens
         return None
 
-    def finish(self) -> list:
-        """Per layer: None (kept whole) or one LongTensor of kept positions per KV head."""
+    @property
+    def reconstruction(self):
+        """The reconstruction this method's choice waits for (None: none)."""
+        return self.method.reconstruction if self.layers else None
+
+    def finish(self, reconstructed: dict | None = None) -> list:
+        """Per layer: None (kept whole) or one LongTensor of kept positions per KV head. ``reconstructed``: each
+        reconstruction's scores per layer (``pcs.reconstruction.reconstruct``), for a method that reads one."""
+        if self.reconstruction is not None:
+            scores = reconstructed[self.reconstruction]
+            self.scores, self.layers = {l: scores[l] for l in self.layers}, []
         if self.scores:
             for layer_idx, kept in self.method.choose(self.scores, self.n_tokens).items():
                 self.kept[layer_idx] = kept
             self.scores = {}
         return self.kept
+
+
+def reconstructed_for(choices: list[LayerChoices], caches: list[CompressedCache], reconstruct) -> dict:
+    """The reconstructions ``choices`` wait for, computed by ``reconstruct(cache, requests, layers)`` on the cache of
+    the first that waits (a model-wide method's: its full-attention layers still whole)."""
+    requests = {choice.reconstruction for choice in choices} - {None}
+    if not requests:
+        return {}
+    if reconstruct is None:
+        raise ValueError("a method scored by a reconstruction (KVzip) needs the prompt's repeat request: "
+                         "pass reconstruct= (pcs.reconstruction)")
+    cache = next(cache for choice, cache in zip(choices, caches) if choice.reconstruction is not None)
+    return reconstruct(cache, requests, compressed_layers(cache))
 
 
 @dataclass
@@ -269,15 +297,16 @@ class CellCache:
 
 @contextmanager
 def compress_each_after_prefill(model, methods: list[Method], caches: list[CompressedCache],
-                                options: EngineOptions | None = None):
+                                options: EngineOptions | None = None, reconstruct=None):
     """One prefill for several methods. The forward writes to ``caches[0]``; right after each attention
     module's forward, every method chooses from that layer's full keys and values and its cache takes
     its kept entries (copied out), then the full layer is released unless a method keeps it whole. So
     the peak is one full layer (more where the compression runs behind the forward, on CUDA) plus
     every method's compressed layers, and each method ends with the
     cache a prefill of its own would give. A model-wide method keeps its full layers until the context
-    closes, then compresses every layer at once (``PrefillStats.peak_kv_bytes`` records it). ``options``: the
-    engine's (None: the defaults)."""
+    closes, then compresses every layer at once (``PrefillStats.peak_kv_bytes`` records it); one scored by a
+    reconstruction first has it computed by ``reconstruct(cache, requests, layers)`` (``reconstructed_for``), on a
+    copy of its full cache per chunk. ``options``: the engine's (None: the defaults)."""
     n_layers = model.config.num_hidden_layers
     cells = [CellCache(method, cache) for method, cache in zip(methods, caches)]
     choices = [LayerChoices(method, n_layers) for method in methods]
@@ -318,20 +347,23 @@ def compress_each_after_prefill(model, methods: list[Method], caches: list[Compr
     with after_prefill(model, prefill, sorted({m.window for m in methods}), compress, keep_window,
                        shared=len(methods) > 1, options=options):
         yield cells
+    reconstructed = reconstructed_for(choices, caches, reconstruct)
     for cell, choice in zip(cells, choices):
         if cell.method.model_wide:
-            cell.stats.peak_kv_bytes = max(cell.stats.peak_kv_bytes, cell.cache.nbytes())
+            held = cell.cache.nbytes() * (2 if choice.reconstruction is not None else 1)   # and a chunk's copy
+            cell.stats.peak_kv_bytes = max(cell.stats.peak_kv_bytes, held)
             with torch.profiler.record_function("pcs.compress"):
-                for layer, kept in zip(cell.cache.layers, choice.finish()):
+                for layer, kept in zip(cell.cache.layers, choice.finish(reconstructed)):
                     if kept is not None:
                         layer.compress(kept)
 
 
 @contextmanager
-def compress_after_prefill(model, method: Method, cache: CompressedCache, options: EngineOptions | None = None):
+def compress_after_prefill(model, method: Method, cache: CompressedCache, options: EngineOptions | None = None,
+                           reconstruct=None):
     """While active, each attention module compresses its layer of ``cache`` after a multi-token
     forward (see ``compress_each_after_prefill``, of which this is the one-method case)."""
-    with compress_each_after_prefill(model, [method], [cache], options) as (cell,):
+    with compress_each_after_prefill(model, [method], [cache], options, reconstruct) as (cell,):
         yield cell.stats
 
 

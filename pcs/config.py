@@ -40,13 +40,15 @@ DTYPES = ("float32", "bfloat16", "float16")
 # added none; before profiles had ``l1_norm`` every
 # profile summed |v W^O_h| as ``abs_sum`` does, and before ``window_cut`` every profile cut a window's prefix
 # ``apart`` (kvpress's profile now sums in torch.norm's order and cuts ``in_row``, another run, so its older runs
-# are not upgraded: they keep their folders and are refused as another run's config on resume).
+# are not upgraded: they keep their folders and are refused as another run's config on resume). ``kvzip_count``
+# changes KVzip's entries alone, so every profile's older runs read as holding their profile's value.
 ADDED_KNOBS = {("benchmark", "needle"): {"query_aware": True, "follow_up": 0}, ("benchmark", "ruler"): {"follow_up": 0},
                **{("method", m): {"scorer": "window_attention", "scorer_epsilon": 0.0}
                   for m in ("snapkv", "adakv", "pyramidkv")},
                ("method", "expected_attention"): {"scorer_epsilon": 0.0},
-               **{("profile", p): {"l1_norm": "abs_sum", "window_cut": "apart"}
-                  for p in ("paper", "adakv", "kvcache_factory")}}
+               **{("profile", p): {"l1_norm": "abs_sum", "window_cut": "apart", "kvzip_count": "exact"}
+                  for p in ("paper", "adakv", "kvcache_factory")},
+               ("profile", "kvpress"): {"kvzip_count": "ratio"}}
 
 
 def upgraded(saved: DictConfig) -> DictConfig:

@@ -12,7 +12,7 @@ from .benchmarks.base import Sample
 from .engine import Arrival, Cell, DecodePool, Generation, decode
 from .options import EngineOptions
 from .eviction.base import Method
-from .prompts import PromptIds
+from .prompts import PromptIds, RepeatPrompt, repeat_prompt
 
 
 @dataclass
@@ -36,24 +36,25 @@ class RunContext:
 def greedy_generate_each(model, input_ids: torch.Tensor, methods: list[Method], max_new_tokens: int,
                          stop_token_ids: set[int], question_ids: torch.Tensor | None = None, min_new_tokens: int = 0,
                          triggers: list[int | None] | None = None, pool: int = 1,
-                         options: EngineOptions | None = None) -> list[Generation]:
+                         options: EngineOptions | None = None, repeat: RepeatPrompt | None = None) -> list[Generation]:
     """Greedy answers to one prompt, one per method, on one shared prefill, decoded ``pool`` at a time, under the
-    engine's ``options`` (None: the defaults)."""
+    engine's ``options`` (None: the defaults); ``repeat``: the request to repeat the context (KVzip's)."""
     cells = [Cell(method, trigger) for method, trigger in zip(methods, triggers or [None] * len(methods))]
     arrival = Arrival(model, input_ids, cells, max_new_tokens, stop_token_ids, question_ids, min_new_tokens,
-                      owners=list(range(len(cells))))
+                      owners=list(range(len(cells))), repeat=repeat)
     done = {seq.owner: seq.result for seq in decode(DecodePool(model, pool, options=options), [arrival])}
     return [done[i] for i in range(len(cells))]
 
 
 def greedy_generate(model, input_ids: torch.Tensor, method: Method, max_new_tokens: int, stop_token_ids: set[int],
                     question_ids: torch.Tensor | None = None, min_new_tokens: int = 0,
-                    trigger: int | None = None, options: EngineOptions | None = None) -> Generation:
+                    trigger: int | None = None, options: EngineOptions | None = None,
+                    repeat: RepeatPrompt | None = None) -> Generation:
     """Greedy decoding; stops at any of ``stop_token_ids`` (not included in the output), never
     before ``min_new_tokens``. ``question_ids``, if given, are fed after the prompt is compressed.
     With ``trigger``, a layer is compressed again whenever one of its heads exceeds it."""
     return greedy_generate_each(model, input_ids, [method], max_new_tokens, stop_token_ids, question_ids,
-                                min_new_tokens, [trigger], options=options)[0]
+                                min_new_tokens, [trigger], options=options, repeat=repeat)[0]
 
 
 Request = tuple[Sample, PromptIds, list[RunContext]]   # a sample, its encoded prompt, the cells still to answer it
@@ -88,7 +89,9 @@ def generate_rows(requests: Iterable[Request], pool: DecodePool) -> Iterator[tup
                            for c in cells],
                           sample.max_new_tokens, stops, question, sample.min_new_tokens,
                           owners=[(sample, prompt, tokenizer, i, j) for i in range(len(cells)) for j in asked],
-                          name=sample.id, follow_ups=tuple(torch.tensor([ids]) for ids in prompt.follow_ups))
+                          name=sample.id, follow_ups=tuple(torch.tensor([ids]) for ids in prompt.follow_ups),
+                          repeat=(repeat_prompt(tokenizer, cells[0].cfg.model, sample.chat)
+                                  if any(c.method.reconstruction for c in cells) else None))
 
     answered: dict[tuple[str, int], dict[int, dict]] = {}   # a cell's answers to a sample's questions so far
     for seq in decode(pool, arrivals()):

@@ -23,12 +23,13 @@ import torch
 
 from .benchmarks.base import Sample
 from .cache import CompressedCache
-from .compression import LayerChoices, after_prefill, attention_modules, hooked, window_queries
+from .compression import LayerChoices, after_prefill, attention_modules, hooked, reconstructed_for, window_queries
 from .eviction.base import Kept, LayerState, Method, window_positions
 from .engine.prefill import full_kv_bytes
 from .options import EngineOptions
 from .generate import RunContext
-from .prompts import PromptIds
+from .prompts import PromptIds, RepeatPrompt
+from .reconstruction import reconstructor
 
 
 @dataclass
@@ -45,9 +46,10 @@ class Prefill:
 
 @torch.inference_mode()
 def run_prefill(model, input_ids: torch.Tensor, methods: dict, two_stage: Method | None = None,
-                options: EngineOptions | None = None) -> Prefill:
+                options: EngineOptions | None = None, repeat: RepeatPrompt | None = None) -> Prefill:
     """Full-cache prefill; every method of ``methods`` (key -> method) chooses its kept entries, and
-    ``two_stage`` (a two-stage method) records its stage-1 picks; ``options``: the engine's (None: the defaults)."""
+    ``two_stage`` (a two-stage method) records its stage-1 picks; ``options``: the engine's (None: the defaults);
+    ``repeat``: the request to repeat the context, for a method scored by its reconstruction (KVzip)."""
     n_layers = model.config.num_hidden_layers
     choices = {key: LayerChoices(method, n_layers) for key, method in methods.items()}
     stage1, stage1_prefix = [None] * n_layers, [None] * n_layers
@@ -67,8 +69,10 @@ def run_prefill(model, input_ids: torch.Tensor, methods: dict, two_stage: Method
     device = next(model.parameters()).device
     with after_prefill(model, cache, windows, on_layer, shared=len(methods) > 1, options=options):
         logits = model(input_ids=input_ids.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    reconstructed = reconstructed_for(list(choices.values()), [cache] * len(choices),
+                                      reconstructor(model, input_ids.to(device), repeat))
     dense = [layer.dense() for layer in cache.layers]
-    kept = {key: choice.finish() for key, choice in choices.items()}
+    kept = {key: choice.finish(reconstructed) for key, choice in choices.items()}
     return Prefill(input_ids.shape[1], int(logits[0, -1].argmax()), [k for k, _ in dense], [v for _, v in dense],
                    kept, stage1, stage1_prefix, cache)
 

@@ -86,3 +86,42 @@ def follow_up_ids(tokenizer, prompt: PromptIds, text: str, model_cfg, follow_ups
                              "follow-up cannot continue the compressed prompt: use benchmark.query_aware=false")
         out.append(tokenizer(whole[len(compressed):], add_special_tokens=False).input_ids)
     return tuple(out)
+
+
+# KVzip's requests to repeat the context (its paper's, as kvpress 0.5.5's KVzipPress.prepare writes them), and how
+# many of the previous chunk's last tokens a later chunk's request quotes.
+REPEAT_FIRST = "\n\nRepeat the previous context exactly."
+REPEAT_LATER = "\n\nRepeat the part of the previous context exactly, starting with"
+REPEAT_QUOTED = 8
+
+
+class RepeatPrompt(NamedTuple):
+    """What a reconstruction (KVzip's scoring) feeds after a prompt: the request to repeat the context, the chat
+    template's tail that opens the answer, and how many of the prompt's first tokens are the template's head (not
+    context: never repeated). From the tokenizer alone, whatever the prompt: kvpress's KVzipPress renders the
+    template around a dummy context (``__call__``), which this does; a run without a chat template has no head
+    and ``"\\n"`` as its tail."""
+    head: int
+    first: list[int]          # the first chunk's request
+    later: list[int]          # a later chunk's, before the quoted tokens
+    tail: list[int]
+
+    def request(self, chunks: list[list[int]], i: int) -> list[int]:
+        """The ids fed to have chunk ``i`` of ``chunks`` repeated: its request, the tail, then the chunk."""
+        if i == 0:
+            return self.first + self.tail + chunks[0]
+        return self.later + chunks[i - 1][-REPEAT_QUOTED:] + self.tail + chunks[i]
+
+
+def repeat_prompt(tokenizer, model_cfg, use_chat: bool = True) -> RepeatPrompt:
+    """The ``RepeatPrompt`` of a model's tokenizer (``use_chat``: whether its runs use the chat template)."""
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
+    head, tail = "", "\n"
+    if model_cfg.chat_template and use_chat and tokenizer.chat_template:
+        dummy = "dummy context"
+        separator = "\n" + "#" * len(dummy)
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}], tokenize=False,
+                                                 add_generation_prompt=True, **chat_kwargs(model_cfg))
+        before, tail = rendered.split(separator)
+        head = before.split(dummy)[0]
+    return RepeatPrompt(len(encode(head)), encode(REPEAT_FIRST), encode(REPEAT_LATER), encode(tail))

@@ -38,6 +38,15 @@ SCORERS = {"knorm": "KnormPress", "keydiff": "KeyDiffPress", "tova": "TOVAPress"
 # kvpress's AdaKV presses refuse an eager prefill, which ObservedAttentionPress reads: no AdaKV over it.
 WRAPPED = {"adakv": [s for s in SCORERS if s != "observed_attention"], "criticalkv": list(SCORERS),
            "criticaladakv": [s for s in SCORERS if s != "observed_attention"]}
+# KVzip's cases: pcs method and overrides, KVzipPress's parameters. A chunk of 512 repeats the prompts in 2 or 4 parts.
+KVZIP = {
+    "kvzip": ("kvzip", [], {}),
+    "kvzip_layerwise": ("kvzip", ["method.scope=layer"], {"layerwise": True}),
+    "kvzip_plus": ("kvzip_plus", [], {"kvzip_plus_normalization": True}),
+    "kvzip_plus_layerwise": ("kvzip_plus", ["method.scope=layer"], {"kvzip_plus_normalization": True,
+                                                                    "layerwise": True}),
+    "kvzip_chunk512": ("kvzip", ["method.chunk=512"], {"chunk_size": 512}),
+}
 # pcs method, overrides -> the kvpress press (and its parameters) that should keep the same entries, as composed:
 # profile=kvpress's selection is attention; preset=criticalkv sets the press's window (none over a scorer).
 CASES = {
@@ -56,6 +65,7 @@ CASES = {
     # kvpress's leaderboard press (press=expected_attention): AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))
     "adakv_expected_attention_epsilon": ("adakv", ["method.scorer=expected_attention", "method.window=0",
                                                    f"method.scorer_epsilon={EPSILON}"]),
+    **{case: (method, overrides) for case, (method, overrides, _) in KVZIP.items()},
 }
 EAGER = {"observed_attention", "criticalkv_observed_attention"}   # kvpress reads an eager prefill's weights
 # Tie cells: entries start, start + step, ... below n - below become copies of entry start, in every layer.
@@ -77,18 +87,25 @@ CONTROLS = {
     # TOVA ranks alike in every KV head, so AdaKV's safeguard changes nothing: each KV head's own query heads instead
     "adakv_tova": ["method.scorer=window_attention", "method.kernel=1"],
     "adakv_expected_attention_epsilon": ["method.scorer_epsilon=0"],     # no epsilon: ExpectedAttentionPress's default
+    "kvzip": ["method.scope=layer"],                  # each layer's own budget: KVzipPress's default shares the model's
+    "kvzip_layerwise": ["method.scope=model"],
+    "kvzip_plus": ["method.plus=false"],              # KVzip's scores, not normalised
+    "kvzip_plus_layerwise": ["method.plus=false"],
+    "kvzip_chunk512": ["method.chunk=2048"],          # the prompt repeated in one part
     # a quarter of the budget in stage 1: first_stage_ratio is 0.5
     **{f"critical{w}_{s}": ["selection.alpha=0.25"] for w in ("kv", "adakv") for s in WRAPPED[f"critical{w}"]},
 }
 SCORED = {case for case, (method, overrides) in CASES.items()          # no window attention, no pooling
-          if method in SCORERS or any(o.startswith("method.scorer=") for o in overrides)}
+          if method in SCORERS or method.startswith("kvzip") or any(o.startswith("method.scorer=") for o in overrides)}
 WRAPPERS = {"adakv": "AdaKVPress", "criticalkv": "CriticalKVPress", "criticaladakv": "CriticalAdaKVPress"}
 PRESSES = {"snapkv": "SnapKVPress", "pyramidkv": "PyramidKVPress", "adakv": "AdaKVPress",
            "streamingllm": "StreamingLLMPress", "criticalkv": "CriticalKVPress(SnapKVPress)",
            "criticalkv_alpha0.25": "CriticalKVPress(SnapKVPress, first_stage_ratio=0.25)",
            "criticaladakv": "CriticalAdaKVPress(SnapKVPress)", **SCORERS,
            **{f"{w}_{s}": f"{WRAPPERS[w]}({SCORERS[s]})" for w, scorers in WRAPPED.items() for s in scorers},
-           "adakv_expected_attention_epsilon": f"AdaKVPress(ExpectedAttentionPress(epsilon={EPSILON:g}))"}
+           "adakv_expected_attention_epsilon": f"AdaKVPress(ExpectedAttentionPress(epsilon={EPSILON:g}))",
+           **{case: "KVzipPress(" + ", ".join(f"{k}={v}" for k, v in kw.items()) + ")"
+              for case, (_, _, kw) in KVZIP.items()}}
 
 
 # ---- kvpress side (runs in kvpress's environment; imports nothing from pcs) ----
@@ -112,6 +129,8 @@ def kvpress_press(case: str, ratio: float, window: int, kernel: int):
         return kvpress.CriticalAdaKVPress(scorer, alpha_safeguard=FLOOR)
     if case in SCORERS:
         return getattr(kvpress, SCORERS[case])(compression_ratio=ratio)
+    if case in KVZIP:
+        return kvpress.KVzipPress(compression_ratio=ratio, **KVZIP[case][2])
     if case == "adakv_expected_attention_epsilon":
         return kvpress.AdaKVPress(kvpress.ExpectedAttentionPress(compression_ratio=ratio, epsilon=EPSILON),
                                   alpha_safeguard=FLOOR)
@@ -300,9 +319,9 @@ def prompts(tokenizer, lengths: list[int]) -> dict[str, list[int]]:
 
 
 def pcs_kept(model, ids: list[int], case: str, budget: int, window: int, kernel: int, changed=(),
-             tie: bool = False) -> list:
+             tie: bool = False, repeat=None) -> list:
     """What pcs keeps for ``case`` (``changed``: overrides after the case's own, a negative control's; ``tie``: with
-    the tie cells' copies)."""
+    the tie cells' copies; ``repeat``: the model's request to repeat a context, which KVzip reads)."""
     import torch
     from pcs.config import compose
     from pcs.eviction import build_method
@@ -324,7 +343,8 @@ def pcs_kept(model, ids: list[int], case: str, budget: int, window: int, kernel:
         method.conventions = counting_ties(method.conventions)
     TIES.clear()
     SPLIT.clear()
-    kept = run_prefill(model, torch.tensor([ids]), {"m": Duplicated(method) if tie else method}).kept["m"]
+    kept = run_prefill(model, torch.tensor([ids]), {"m": Duplicated(method) if tie else method},
+                       repeat=repeat).kept["m"]
     n, heads = len(ids), model.config.num_key_value_heads
     return [[list(range(n))] * heads if layer is None else [sorted(h.tolist()) for h in layer] for layer in kept]
 
@@ -332,8 +352,10 @@ def pcs_kept(model, ids: list[int], case: str, budget: int, window: int, kernel:
 def compare(args) -> list[dict]:
     from pcs.eviction.conventions import kvpress_ratio
     from pcs.models import ATTN_IMPLEMENTATION
+    from pcs.prompts import repeat_prompt
     model_cfg, model, tokenizer = embedded_model()
     worker = KvpressWorker(args.kvpress_python, __file__, model_cfg)
+    repeat = repeat_prompt(tokenizer, model_cfg)     # KVzipPress's, from the tokenizer's chat template
     rows = []
     for prompt, ids in prompts(tokenizer, args.lengths).items():
         for setting, (window, kernel) in SETTINGS.items():
@@ -345,11 +367,12 @@ def compare(args) -> list[dict]:
                                          "window": window, "kernel": kernel})["kept"]
                     # The prefill as kvpress's (an eager one's keys differ from SDPA's in the last bits).
                     model.set_attn_implementation("eager" if case in EAGER else ATTN_IMPLEMENTATION)
-                    ours = pcs_kept(model, ids, case, budget, window, kernel)
+                    ours = pcs_kept(model, ids, case, budget, window, kernel, repeat=repeat)
                     rows.append(summarize(prompt, len(ids), setting, budget, case, ours, theirs))
                     if case in CONTROLS:
                         control = summarize(prompt, len(ids), setting, budget, case,
-                                            pcs_kept(model, ids, case, budget, window, kernel, CONTROLS[case]), theirs)
+                                            pcs_kept(model, ids, case, budget, window, kernel, CONTROLS[case],
+                                                     repeat=repeat), theirs)
                         rows[-1]["control_identical"] = control["identical"]
                     print(format_row(rows[-1]), flush=True)
     if args.ties:

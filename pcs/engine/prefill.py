@@ -14,6 +14,8 @@ from ..compression import CompressionStats, PrefillStats, compress_each_after_pr
 from ..eviction.base import Method
 from ..hybrid import attention_windows, head_dim, held_entries
 from ..options import EngineOptions, Stage2Search, defaults
+from ..prompts import RepeatPrompt
+from ..reconstruction import reconstructor
 from .decode import Generation, Sequence, clock
 
 
@@ -47,6 +49,7 @@ class Arrival:
     owners: list | None = None               # the caller's key of each answer
     name: str = "a prompt"                   # what an out-of-memory error calls it (a sample's id)
     follow_ups: tuple[torch.Tensor, ...] = ()   # (1, q) each: further questions, each on a copy of the cache
+    repeat: RepeatPrompt | None = None       # the request to repeat the context, for a method that reconstructs it
 
     @property
     def questions(self) -> int:
@@ -66,7 +69,8 @@ class Arrival:
         owners = self.owners or [None] * (len(self.cells) * q)
         sequences = prefill(self.model, self.input_ids, [self.cells[i] for i in cells], self.max_new_tokens,
                             self.stops, self.question_ids, self.min_new_tokens,
-                            [owners[i * q + j] for i in cells for j in range(q)], options, self.follow_ups)
+                            [owners[i * q + j] for i in cells for j in range(q)], options, self.follow_ups,
+                            self.repeat)
         answers = [i * q + j for i in cells for j in range(q)]
         for k, seq in zip(answers, sequences):
             seq.source = (self, k)
@@ -84,11 +88,13 @@ def full_kv_bytes(config, n_tokens: int, dtype: torch.dtype) -> int:
 @torch.inference_mode()
 def prefill(model, input_ids: torch.Tensor, cells: list[Cell], max_new_tokens: int, stops: set[int],
             question_ids: torch.Tensor | None = None, min_new_tokens: int = 0, owners: list | None = None,
-            options: EngineOptions | None = None, follow_ups: tuple[torch.Tensor, ...] = ()) -> list[Sequence]:
+            options: EngineOptions | None = None, follow_ups: tuple[torch.Tensor, ...] = (),
+            repeat: RepeatPrompt | None = None) -> list[Sequence]:
     """One prompt prefilled once for every cell; each cell's ``Sequence`` holds the cache and first logits a
     prefill of its own would give (``tests/test_shared_prefill.py``), then one per follow-up, from a copy of
     the cell's compressed cache with the follow-up fed on it (``owners``: one per cell and question, in that
-    order). ``options``: the engine's (None: the defaults)."""
+    order). ``options``: the engine's (None: the defaults). ``repeat``: the request to repeat the context, which
+    a method scored by a reconstruction (KVzip) needs; its reconstruction is part of the prefill's time."""
     options = options or defaults()
     device = next(model.parameters()).device
     n = input_ids.shape[1]
@@ -96,7 +102,8 @@ def prefill(model, input_ids: torch.Tensor, cells: list[Cell], max_new_tokens: i
     room = max([0] + [ids.shape[1] for ids in questions if ids is not None])   # appended before decoding
     caches = [CompressedCache.of(model.config, room) for _ in cells]
     start = clock(device)
-    with compress_each_after_prefill(model, [cell.method for cell in cells], caches, options) as compressed:
+    reconstruct = reconstructor(model, input_ids.to(device), repeat)
+    with compress_each_after_prefill(model, [cell.method for cell in cells], caches, options, reconstruct) as compressed:
         logits = model(input_ids=input_ids.to(device), past_key_values=caches[0], use_cache=True,
                        logits_to_keep=1).logits
     prefill_s = clock(device) - start

@@ -21,6 +21,18 @@ from .stage2_search import Stage2Work
 Kept = Optional[list[torch.Tensor]]
 
 
+@dataclass(frozen=True)
+class Reconstruction:
+    """Scores a method reads from a reconstruction of the prompt after its prefill (KVzip's; ``pcs.reconstruction``
+    computes them once for every method that asks the same): the model asked to repeat the context ``chunk`` tokens
+    at a time, each entry scored by the most attention any query of a repetition pays it, among the first ``sinks``
+    entries, the chunk and the repetition's own. ``normalised``: each attention divided by its query's input norm and
+    times the entry's ``||v W^O_h||_2`` (KVzip+)."""
+    chunk: int
+    sinks: int
+    normalised: bool = False
+
+
 class Prompt(Protocol):
     """Every query of a layer's prompt (``pcs.compression.PromptQueries`` computes them when first read)."""
     n_tokens: int
@@ -92,12 +104,16 @@ class Method:
 
     ``evicts``: False for a method that keeps every entry (``keep`` returns None): decoding-time compression
     has nothing to do for it.
+
+    ``reconstruction``: a model-wide method scored by a reconstruction after the prefill (KVzip) says which; its
+    ``choose`` then receives those scores instead of ``score``'s.
     """
     window: int = 0
     model_wide: bool = False
     two_stage: bool = False
     exhaustive_stage2: bool = False
     evicts: bool = True
+    reconstruction: Reconstruction | None = None
 
     def keep(self, layer: LayerState) -> Kept:
         raise NotImplementedError

@@ -26,6 +26,7 @@ CHOICES = {
     "window_cut": ("apart", "in_row"),
     "gqa": ("pool_then_mean", "mean_then_pool", "per_query_head"),
     "l1_norm": ("abs_sum", "torch_norm"),
+    "kvzip_count": ("exact", "ratio"),
 }
 
 
@@ -49,6 +50,10 @@ class Conventions:
     # (a cascade, a third of the time) | ``torch_norm``, ``torch.norm(p=1)``'s one sequential reduction (kvpress's
     # CriticalKVPress.vwl1norm: its bits). Accelerators always take one reduction (``NormPlan.one_reduction``).
     l1_norm: str = "abs_sum"
+    # How many entries KVzip evicts where layers or heads share its budget: ``exact``, all but ``budget`` per head of
+    # the layers or heads that share it | ``ratio``, ``int(entries x compression ratio)`` as kvpress's
+    # KVzipPress.compress_post counts them (its float product may round one entry down, so one more stays).
+    kvzip_count: str = "exact"
 
     def __post_init__(self):
         for key, allowed in CHOICES.items():
