@@ -53,14 +53,14 @@ class PeakMemory:
         self.extra = max(0, self.peak - self.base)
 
 
-def profile_prefill(model, method, ids, path: Path, options=None) -> float:
+def profile_prefill(model, method, ids, path: Path, options=None, repeat=None) -> float:
     """One prefill plus compression under torch.profiler; writes its op table to ``path`` and returns
     the share of the time spent compressing (ops under the ``pcs.compress`` label)."""
     from torch.profiler import ProfilerActivity, profile
     on_cuda = next(model.parameters()).device.type == "cuda"      # the prompt may still be on the host
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     with profile(activities=activities) as prof:
-        greedy_generate(model, ids, method, 1, set(), options=options)
+        greedy_generate(model, ids, method, 1, set(), options=options, repeat=repeat)
     averages = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in averages)
     compress = sum(e.cpu_time_total for e in averages if e.key == "pcs.compress")
@@ -105,15 +105,18 @@ CALLS_CONTEXT = 4096    # tokens of the prompt the attention calls are counted o
                         # tokens per configuration would cost minutes of device time
 
 
-def attention_calls_per_token(model, method, ids, steps: int = 4, options=None) -> float:
+def attention_calls_per_token(model, method, ids, steps: int = 4, options=None, repeat=None) -> float:
     """Attention calls (all layers) per decoded token, counted by the profiler over ``steps`` decoding
-    steps: the prefill's one call per layer is subtracted. CPU events only: tracing the GPU's kernels too
-    (CUPTI) costs minutes per configuration at 128K and is not needed to count calls."""
+    steps: a prefill's calls alone (one per layer, and a reconstruction's) are counted apart and subtracted. CPU
+    events only: tracing the GPU's kernels too (CUPTI) costs minutes per configuration at 128K and is not needed to
+    count calls."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        greedy_generate(model, ids, method, steps + 1, set(), options=options)
-    calls = sum(e.count for e in prof.key_averages() if e.key == ATTENTION_OP)
-    return (calls - model.config.num_hidden_layers) / steps
+
+    def calls(tokens: int) -> int:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            greedy_generate(model, ids, method, tokens, set(), options=options, repeat=repeat)
+        return sum(e.count for e in prof.key_averages() if e.key == ATTENTION_OP)
+    return (calls(steps + 1) - calls(1)) / steps
 
 
 # Operations that dispatch no work to a device: views, allocations, conjugation flags.

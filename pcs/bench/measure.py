@@ -22,7 +22,8 @@ from ..eviction.stage2_search import Stage2Work
 from ..generate import greedy_generate
 from ..hybrid import head_dim
 from ..kernels import value_norms as value_norm_kernel
-from ..models import load_model, prepare
+from ..models import load_model, prepare, weights_location
+from ..prompts import RepeatPrompt, repeat_prompt
 from ..options import EngineOptions, defaults
 from .instrument import CALLS_CONTEXT, CompressionClock, CompressionOps, PeakMemory, attention_calls_per_token, \
     profile_prefill
@@ -34,6 +35,15 @@ LLAMA31_SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=1433
 
 def composed(**overrides):
     return compose([f"{k}={v}" for k, v in overrides.items()])
+
+
+def bench_repeat(name: str, path: str | None = None) -> RepeatPrompt:
+    """KVzip's request to repeat a context on the bench's model: its tokenizer's (``llama31-shape``, which has none:
+    the embedded SmolLM2's, the same English text in about as many tokens, every id inside Llama 3.1's vocabulary)."""
+    from transformers import AutoTokenizer
+    cfg = composed(model="smollm2" if name == "llama31-shape" else name,
+                   **({"model.path": path} if path and name != "llama31-shape" else {})).model
+    return repeat_prompt(AutoTokenizer.from_pretrained(weights_location(cfg)), cfg)
 
 
 def build_model(name: str, layers: int, device: str, path: str | None = None):
@@ -66,23 +76,23 @@ def random_prompt(model, context: int) -> torch.Tensor:
     return torch.randint(100, model.config.vocab_size - 100, (1, context), generator=generator)
 
 
-def measure_once(model, method, ids, decode_tokens: int, options: EngineOptions) -> dict:
+def measure_once(model, method, ids, decode_tokens: int, options: EngineOptions, repeat=None) -> dict:
     device = next(model.parameters()).device
     with PeakMemory(device) as mem, CompressionClock(method, device) as clock:
-        gen = greedy_generate(model, ids, clock.method, decode_tokens, set(), options=options)
+        gen = greedy_generate(model, ids, clock.method, decode_tokens, set(), options=options, repeat=repeat)
     return {"stage2": gen.stage2, "prefill_s": gen.prefill_s, "compress_s": clock.seconds, "decode_ms_per_token": 1000 * gen.decode_s / max(1, len(gen.token_ids) - 1),
             "kv_bytes": gen.kv_cache_bytes, "kv_bytes_full": gen.kv_cache_bytes_full, "peak_mem_bytes": mem.extra,
             "peak_mem_total_bytes": mem.peak if device.type == "cuda" else None}
 
 
 def measure_pools(model, method, ids, sizes: list[int], decode_tokens: int, graphs: bool,
-                  options: EngineOptions) -> dict:
+                  options: EngineOptions, repeat=None) -> dict:
     """Decoding with pools of ``sizes`` sequences, each a copy of one compressed prompt (one prefill for all):
     per size, milliseconds per step (one forward for the whole pool) and tokens per second. A warm-up of 3
     tokens per size first (on CUDA it captures the step's graph). A size whose buffers would not fit in the
     device's free memory is recorded as such (``fits``: the sequences that would)."""
     device = next(model.parameters()).device
-    (seq,) = prefill(model, ids, [Cell(method)], decode_tokens, set(), options=options)
+    (seq,) = prefill(model, ids, [Cell(method)], decode_tokens, set(), options=options, repeat=repeat)
     out = {}
     for size in sizes:
         pool = DecodePool(model, size, graphs, options)
@@ -227,32 +237,34 @@ def run(args) -> list[dict]:
                                                                               head_dim(model.config))
     weights = weight_bytes(model)
     built = build_configurations(args)
+    repeat = bench_repeat(args.model, args.model_path) if any(m.reconstruction for _, m in built) else None
     rows = []
     for context in args.contexts:
         ids = random_prompt(model, context)
         search = scores.stage2_search(context, torch.device(device), options.stage2)
         for _, method in built:
-            greedy_generate(model, ids, method, 2, set(), options=options)
+            greedy_generate(model, ids, method, 2, set(), options=options, repeat=repeat)
         samples = [[] for _ in built]
         for _ in range(args.repeats - 1):
             for i, (_, method) in enumerate(built):
-                samples[i].append(measure_once(model, method, ids, args.decode_tokens, options))
+                samples[i].append(measure_once(model, method, ids, args.decode_tokens, options, repeat))
         base = None
         for (config, method), runs in zip(built, samples):
-            runs.append(measure_once(model, method, ids, args.decode_tokens, options))     # the last round
+            runs.append(measure_once(model, method, ids, args.decode_tokens, options, repeat))     # the last round
             result = summarize(runs) | stage2_work(method, runs)
             with CompressionOps(method) as ops:   # its prefill's compression: ops per layer, at up to CALLS_CONTEXT
                 result["attention_calls_per_token"] = attention_calls_per_token(
-                    model, ops.method, ids[:, :CALLS_CONTEXT], options=options)
+                    model, ops.method, ids[:, :CALLS_CONTEXT], options=options, repeat=repeat)
             result["compress_ops_per_layer"] = ops.per_layer
             if args.profile:
                 name = f"{context}_{config.method}_{config.selection}_{config.budget or 'all'}" \
                        f"{'_' + config.preset if config.preset else ''}.txt"
-                result["compress_share"] = profile_prefill(model, method, ids, Path(args.profile) / name, options)
+                result["compress_share"] = profile_prefill(model, method, ids, Path(args.profile) / name, options,
+                                                           repeat)
             if args.pools:
                 graphs = device == "cuda" and not args.eager
                 result["pools"] = measure_pools(model, method, ids.to(device), args.pools, args.decode_tokens, graphs,
-                                                options)
+                                                options, repeat)
                 result["cuda_graphs"] = graphs
             base = base or result
             row = {"model": args.model, "device": device, "device_name": device_name(device),
