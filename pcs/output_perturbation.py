@@ -28,7 +28,7 @@ from .eviction.base import Kept, LayerState, Method, window_positions
 from .engine.prefill import full_kv_bytes
 from .options import EngineOptions
 from .generate import RunContext
-from .prompts import PromptIds, RepeatPrompt
+from .prompts import PromptIds, RepeatPrompt, repeat_prompt
 from .reconstruction import reconstructor
 
 
@@ -203,7 +203,10 @@ def perturbation_row(sample: Sample, prompt: PromptIds, ctx: RunContext) -> dict
     two_stage = next((m for (label, b), m in ctx.methods.items() if b == main and m.two_stage), None)
     ids = torch.tensor([prompt.context])
     start = time.perf_counter()
-    prefill = run_prefill(ctx.model, ids, ctx.methods, two_stage, EngineOptions.from_config(ctx.cfg.get("engine")))
+    repeat = (repeat_prompt(ctx.tokenizer, ctx.cfg.model, sample.chat)
+              if any(m.reconstruction for m in ctx.methods.values()) else None)
+    prefill = run_prefill(ctx.model, ids, ctx.methods, two_stage, EngineOptions.from_config(ctx.cfg.get("engine")),
+                          repeat)
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
     result = measure(ctx.model, prefill, [(label, main) for label in labels], list(ctx.methods))
