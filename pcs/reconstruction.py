@@ -30,7 +30,9 @@ def chunks_of(ids: list[int], size: int) -> list[list[int]]:
 
 def output_norms(values: torch.Tensor, o_proj_weight: torch.Tensor) -> torch.Tensor:
     """(H_kv, group, t) ``||v W^O_h||_2`` of each of the (H_kv, t, d) entries through each query head of its KV
-    head: the size of what the entry writes to the residual stream (KVzip+'s column weight)."""
+    head: the size of what the entry writes to the residual stream (KVzip+'s column weight). LaProx's
+    ``value_output_norms`` gives the same norms through Gram matrices, faster but rounded otherwise: here the product
+    itself, as KVzipPress takes it, so that KVzip+'s scores keep its bits at near-ties."""
     n_kv, _, d = values.shape
     hidden = o_proj_weight.shape[0]
     weights = o_proj_weight.view(hidden, n_kv, -1, d)                             # (hidden, H_kv, group, d)
