@@ -10,6 +10,7 @@ left whole.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,8 @@ class WindowEviction(Method):
             score, name = (lambda layer: scorer.score(layer, self.scorer_epsilon)), f"{self.scorer}+{self.scorer_epsilon}"
         else:
             score, name = scorer.score, self.scorer
+        if scorer.positional and layer.pad is not None:
+            score = each_head_unpadded(score)
         scores = (score(layer) if shared is None else shared.scorer(name, lambda: score(layer)))
         scores = scores[:, :m].float()                                                 # (H_kv, m)
         return WindowScores(scores, scores, scores, layer.values[:, :m], layer.o_proj_weight,
@@ -133,3 +136,16 @@ class WindowEviction(Method):
         if planned is None or not self.two_stage:
             return None
         return self.selection.stage1(planned[1], planned[0])
+
+
+def each_head_unpadded(score):
+    """A positional scorer (``Scorer.positional``) over heads padded at the front: each head scored on its own
+    entries alone, as a batch of one scores them, its padding at minus infinity."""
+    def scored(layer: LayerState) -> torch.Tensor:
+        rows = []
+        for h, pad in enumerate(layer.pad.tolist()):
+            alone = dataclasses.replace(layer, keys=layer.keys[h:h + 1, pad:], values=layer.values[h:h + 1, pad:],
+                                        pad=None, shared=None)
+            rows.append(torch.nn.functional.pad(score(alone)[0].float(), (pad, 0), value=float("-inf")))
+        return torch.stack(rows)
+    return scored

@@ -1,0 +1,188 @@
+"""CAKE (``pcs.eviction.cake``) against a transcription of the DefensiveKV authors' code, FFY0/DefensiveKV at 9251b95:
+``kvpress/presses/cake_global_press.py`` (the window attention, lines 41-80; each layer's scores and preference,
+lines 82-125) and ``kvpress/presses/cake_scorer_press.py`` (the layer budgets, ``compress`` lines 181-196 and
+``adjust_budgets`` lines 42-88; one layer's cut, ``layer_compress`` lines 91-134). The transcription keeps the code's
+batch axis, numpy budgets and order of operations; it reads nothing from pcs. pcs must keep the same entries on random
+layers and on the embedded model's layers of a real prompt."""
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pcs.config import compose, validate
+from pcs.errors import ConfigError
+from pcs.eviction import build_method
+from pcs.eviction.base import LayerState
+from pcs.eviction.cake import layer_budgets
+from pcs.eviction.conventions import kvpress_ratio
+
+
+# ---- the transcription (FFY0/DefensiveKV @ 9251b95) ----
+
+def reference_attention(queries, keys, w):
+    """``compute_window_attention`` lines 41-80 from queries already rotated: q k / sqrt(d) over the group's KV head,
+    the window's causal mask (lines 74-76), a float32 softmax (line 77), the window's columns dropped (line 78)."""
+    b, h, _, d = queries.shape
+    n_kv, n = keys.shape[1], keys.shape[2]
+    repeated = keys[:, :, None].expand(b, n_kv, h // n_kv, n, d).reshape(b, h, n, d)
+    attn = queries @ repeated.transpose(2, 3) / math.sqrt(d)
+    attn += torch.triu(torch.ones_like(attn) * float("-inf"), diagonal=n - w + 1)
+    return F.softmax(attn, dim=-1, dtype=torch.float32).to(queries.dtype)[..., :-w]
+
+
+def reference_score(queries, keys, w=32, gamma=200.0, tau1=1.6, tau2=0.6):
+    """``CakeGlobalPress.score`` lines 112-125: the preference (entropy and variance, lines 112-114) and the scores
+    (mean + gamma x var over the window, average-pooled by 5 counting the padding, the group mean)."""
+    attn = reference_attention(queries, keys, w)
+    b, h, _, m = attn.shape
+    n_kv = keys.shape[1]
+    window = attn[:, :, -w:, :]
+    disp = -torch.sum(window.to(torch.float32) * torch.log(window.to(torch.float32) + 1e-10))
+    var = torch.var(window, dim=-2).sum(0).sum(0).sum(0)
+    preference = (disp ** (1 / tau1) * var ** (1 / tau2)).cpu().numpy()
+    scores = window.mean(dim=-2) + gamma * window.var(dim=-2)
+    scores = F.avg_pool1d(scores, kernel_size=5, padding=2, stride=1)
+    return scores.reshape(b, n_kv, h // n_kv, -1).mean(dim=-2), preference
+
+
+def reference_adjust_budgets(budget_list, total_budget, seq_len):
+    """``CakeScorerPress.adjust_budgets`` lines 42-88, in numpy as there."""
+    budget_list = np.array(budget_list, dtype=int)
+    excess = np.maximum(budget_list - seq_len, 0)
+    budget_list = np.minimum(budget_list, seq_len)
+    if np.sum(excess) > 0:
+        valid = budget_list < seq_len
+        if np.sum(valid) > 0:
+            budget_list[valid] += np.sum(excess) // np.sum(valid)
+            budget_list[np.where(valid)[0][:np.sum(excess) % np.sum(valid)]] += 1
+    diff = total_budget - np.sum(budget_list)
+    if diff != 0:
+        valid = budget_list < seq_len if diff > 0 else budget_list > 1
+        count = np.sum(valid)
+        if count > 0:
+            sign = 1 if diff > 0 else -1
+            budget_list[valid] += sign * (abs(diff) // count)
+            budget_list[np.where(valid)[0][:abs(diff) % count]] += sign
+    return budget_list.tolist()
+
+
+def reference_kept(layers, n, compression_ratio, w=32):
+    """``CakeScorerPress.compress`` lines 181-196 and ``layer_compress`` lines 116-128: the layers' budgets from their
+    preferences, each layer's top-k per KV head of the prefix, then its window; kept positions per layer and head."""
+    scored = [reference_score(queries[None], keys[None], w) for queries, keys in layers]
+    n_kept = int((n * (1 - compression_ratio) - w) * len(layers))
+    preferences = [p for _, p in scored]
+    budgets = reference_adjust_budgets([p / sum(preferences) * n_kept for p in preferences], n_kept, n - w)
+    kept = []
+    for (hh, _), budget in zip(scored, budgets):
+        budget = min(int(budget), n - w, hh.shape[-1])
+        top = hh.topk(budget, dim=-1).indices[0]
+        kept.append([sorted(row.tolist()) + list(range(n - w, n)) for row in top])
+    return kept, budgets
+
+
+# ---- pcs against it ----
+
+def cake(budget, *overrides):
+    return build_method(compose(["method=cake", f"budget={budget}", "profile=kvpress", *overrides]))
+
+
+def chosen(method, states, n):
+    picked = method.choose({s.layer_idx: method.score(s) for s in states}, n)
+    return [[row.tolist() for row in picked[s.layer_idx]] for s in states]
+
+
+def random_layers(n=300, count=4, h_kv=2, h_q=6, d=16):
+    """Layers whose window attends more sharply the deeper they are, so that their preferences differ."""
+    states = []
+    for i in range(count):
+        g = torch.Generator().manual_seed(i)
+        keys = torch.randn(h_kv, n, d, generator=g)
+        keys[:, torch.randperm(n, generator=g)[:20]] *= 3
+        queries = torch.randn(h_q, 32, d, generator=g) * (0.3 + 0.6 * i)
+        states.append(LayerState(i, count, keys, torch.randn(h_kv, n, d, generator=g), queries,
+                                 torch.randn(48, h_q * d, generator=g)))
+    return states
+
+
+@pytest.mark.parametrize("budget", [40, 64, 120, 0.2])
+def test_cake_keeps_the_entries_of_the_authors_code_on_random_layers(budget):
+    states, n = random_layers(), 300
+    ratio = 1 - budget if isinstance(budget, float) else kvpress_ratio(budget, n)
+    want, budgets = reference_kept([(s.window_queries, s.keys) for s in states], n, ratio)
+    assert chosen(cake(budget), states, n) == want
+    assert len(set(budgets)) > 1                                # the layers' preferences split the budget unevenly
+
+
+def test_a_layers_scores_and_preference_are_the_codes():
+    state = random_layers(count=1)[0]
+    hh, preference = reference_score(state.window_queries[None], state.keys[None])
+    got = cake(64).score(state)
+    torch.testing.assert_close(got.scores, hh[0], rtol=1e-6, atol=0)
+    assert got.preference.dtype == torch.float32 and math.isclose(float(got.preference), float(preference), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("shares, total, cap, want", [
+    # ``adjust_budgets`` run as the repository has it, on these inputs
+    ([10.9, 10.9, 10.2], 32, 100, [11, 11, 10]),
+    ([900.7, 10.2, 10.1, 10.0], 931, 300, [300, 211, 210, 210]),
+    ([1000, 290, 5, 5], 1300, 300, [300, 524, 238, 238]),      # one pass: a layer handed the excess passes the cap
+    ([50, 50, 0, 0], 100, 40, [40, 40, 10, 10]),
+    ([0.4] * 5, 2, 10, [1, 1, 0, 0, 0]),
+    ([3, 3, 3], 6, 10, [2, 2, 2]),                              # above the total: taken back from layers above 1
+])
+def test_layer_budgets_are_adjust_budgets(shares, total, cap, want):
+    assert layer_budgets(shares, total, cap) == want == reference_adjust_budgets(shares, total, cap)
+
+
+def test_layer_budgets_equal_adjust_budgets_on_random_shares():
+    g = np.random.default_rng(0)
+    for _ in range(500):
+        layers, cap = int(g.integers(2, 10)), int(g.integers(5, 400))
+        total = int(g.integers(0, layers * cap))
+        shares = (g.lognormal(size=layers) / g.lognormal(size=layers).sum() * total * g.uniform(0.5, 1.5)).tolist()
+        assert layer_budgets(shares, total, cap) == reference_adjust_budgets(shares, total, cap)
+
+
+class Recording:
+    """Keeps every layer whole and records the state a prefill hands a method with CAKE's window of 32."""
+    window, model_wide, two_stage, evicts, reconstruction = 32, False, False, True, None
+
+    def __init__(self):
+        self.states = []
+
+    def for_prompt(self, n_tokens):
+        return self
+
+    def keep(self, layer):
+        self.states.append(layer)
+
+
+def test_cake_keeps_the_entries_of_the_authors_code_on_the_embedded_models_layers(embedded_dir):
+    """The embedded SmolLM2 (30 layers, 3 KV heads of 3 query heads) on 600 tokens of an essay, at 0.2 of it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from pcs.benchmarks.needle import Haystack, essay_files
+    from pcs.output_perturbation import run_prefill
+    model = AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32).eval()
+    ids = Haystack(AutoTokenizer.from_pretrained(embedded_dir), essay_files(None), "").tokens[:600]
+    recording = Recording()
+    with torch.inference_mode():
+        run_prefill(model, torch.tensor([ids]), {"r": recording})
+        want, budgets = reference_kept([(s.window_queries, s.keys) for s in recording.states], 600, 1 - 0.2)
+        got = chosen(cake(0.2), recording.states, 600)
+        through_a_prefill = run_prefill(model, torch.tensor([ids]), {"c": cake(0.2)}).kept["c"]
+    assert len(recording.states) == 30 and got == want and len(set(budgets)) > 10
+    assert [[row.tolist() for row in layer] for layer in through_a_prefill] == want
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["method.window=0"], "method.window=0"),
+    (["budget=16"], "cannot hold the observation window"),
+    (["compress.trigger=300", "budget=64"], "chooses from a prefill only"),
+    (["method.tau1=-1"], "method.tau1"),
+])
+def test_a_cake_config_without_meaning_is_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose(["method=cake", *overrides]))
