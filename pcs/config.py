@@ -288,6 +288,18 @@ def check_room(budget: int | float, window: int | None = None, sinks: int = 0) -
                           + (f" beside the window of {window}" if window else ""))
 
 
+def check_named_selection(cfg: DictConfig, overrides: list[str]) -> None:
+    """A selection named on the command line of one run (``selection=``, ``selection.<knob>=``) for a method that
+    takes none would be silently ignored: refused, naming what the method takes. A sweep over selections runs such a
+    method once and is not refused."""
+    named = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] == "selection"]
+    if named and not uses("method", cfg.method.name, "selection"):
+        takes = ", ".join(declared("method", cfg.method.name, "uses", [])) or "nothing of budget, selection and profile"
+        raise ConfigError(f"{named[0]}: method={cfg.method.name} ranks by its own rule and takes no selection (it "
+                          f"takes: {takes}); leave selection unset, or use a method that takes one (snapkv, adakv, "
+                          f"pyramidkv or a scorer)")
+
+
 def validate(cfg: DictConfig) -> None:
     """Checks of the run-level settings, the method's knobs against its file and the budget, and the model;
     each method, selection and benchmark checks the rest of its own knobs when it is built (still before the
