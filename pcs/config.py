@@ -163,8 +163,10 @@ def check_method_knobs(cfg: DictConfig) -> None:
     preset = cfg.method.get("_preset_")
     if preset:
         takes = sorted(p.stem.removeprefix(f"{preset}_") for p in (CONF_DIR / "preset_press").glob(f"{preset}_*.yaml"))
-        raise ConfigError(f"preset={preset} wraps one of kvpress's presses, and method={name} has none; methods it "
-                          f"takes: {', '.join(takes)}")
+        own = (f"; method={name} takes selection=perturbation or perturbation_released itself"
+               if uses("method", name, "selection") else "")
+        raise ConfigError(f"preset={preset} wraps the method's kvpress press in CriticalKVPress, which takes a "
+                          f"ScorerPress, and method={name} has none it wraps; methods it takes: {', '.join(takes)}{own}")
     own = group_file("method", name)
     foreign = sorted(k for k in cfg.method if k not in own and not is_declaration(k))
     if foreign:

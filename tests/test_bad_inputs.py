@@ -60,8 +60,9 @@ BY_HAND = [
     (["engine.layers_behind=-1"], "engine.layers_behind=-1"), (["engine.pol=3"], "engine.pol=3"),
     # a selection named for a method that ranks by its own rule (a sweep over selections runs it once instead)
     (["method=streamingllm", "selection=perturbation"], "selection=perturbation: method=streamingllm ranks by its own"),
-    (["method=kvzip", "selection.alpha=0.5"], "selection.alpha=0.5: method=kvzip"),
+    (["method=layer_defensivekv", "selection.alpha=0.5"], "selection.alpha=0.5: method=layer_defensivekv"),
     (["method=chunkkv", "selection=attention"], "selection=attention: method=chunkkv"),
+    (["method=kvzip", "preset=criticalkv"], "method=kvzip has none it wraps"),
     (["hydra/launcher=slurmm"], "hydra/launcher=slurmm"), (["experiment=nope"], "experiment=nope"),
     (["preset=nope"], "preset=nope"), (["ablation=nope"], "ablation=nope"), (["+method.window=3"], "+method.window=3"),
     (["method=[a"], "method=[a"), (["budget"], "'budget'"), (["foo=1"], "foo=1"), (["foo.bar=1"], "foo.bar=1"),

@@ -86,6 +86,7 @@ def reference_kept(layers, n, compression_ratio, w=32):
 # ---- pcs against it ----
 
 def cake(budget, *overrides):
+    """CAKE as the code keeps it: kvpress's conventions (torch.topk's ties), whose selection is attention."""
     return build_method(compose(["method=cake", f"budget={budget}", "profile=kvpress", *overrides]))
 
 
@@ -144,6 +145,50 @@ def test_layer_budgets_equal_adjust_budgets_on_random_shares():
         total = int(g.integers(0, layers * cap))
         shares = (g.lognormal(size=layers) / g.lognormal(size=layers).sum() * total * g.uniform(0.5, 1.5)).tolist()
         assert layer_budgets(shares, total, cap) == reference_adjust_budgets(shares, total, cap)
+
+
+def test_perturbation_selection_over_cake_fills_each_layers_count_by_the_papers_two_stages():
+    """CAKE's preferences give each layer its count; under ``selection=perturbation`` every KV head fills it by the
+    paper's two stages (stage 1 by CAKE's score, stage 2 by the score times the mean over the head's query heads of
+    ``||v W^O_g||_1``), the window on top; ``selection=attention`` is CAKE as published."""
+    states, n = random_layers(), 300
+    for s in states:        # value norms spread over two orders of magnitude, so that stage 1 keeps what stage 2 would not
+        s.values *= torch.exp(2 * torch.randn(1, n, 1, generator=torch.Generator().manual_seed(s.layer_idx)))
+    attention = cake(64, "selection=attention")
+    perturbation = build_method(compose(["method=cake", "budget=64", "selection=perturbation"]))   # the paper's
+    assert perturbation.choice_reads_layers and not attention.choice_reads_layers
+    scored = {s.layer_idx: attention.score(s) for s in states}
+    plain = attention.choose(scored, n)
+    two = perturbation.choose(scored, n, {s.layer_idx: s for s in states})
+    stage_one_decides = []
+    for s in states:
+        count = len(plain[s.layer_idx][0]) - 32
+        values, o_proj, scores = s.values[:, :n - 32], s.o_proj_weight, scored[s.layer_idx].scores
+        group = o_proj.shape[1] // values.shape[-1] // values.shape[0]
+        for h, got in enumerate(two[s.layer_idx]):
+            norms = torch.stack([(values[h] @ o_proj[:, g * 16:(g + 1) * 16].T).abs().sum(-1)
+                                 for g in range(h * group, (h + 1) * group)]).mean(0)
+            first = scores[h].topk(int(0.25 * count)).indices.tolist()
+            second = (scores[h] * norms).index_fill(0, torch.tensor(first, dtype=torch.long), -1).topk(
+                count - len(first)).indices.tolist()
+            assert got.tolist() == sorted(first + second) + list(range(n - 32, n))
+            by_norm_alone = sorted((scores[h] * norms).topk(count).indices.tolist()) + list(range(n - 32, n))
+            stage_one_decides.append(got.tolist() != by_norm_alone)
+    assert any(stage_one_decides)
+    assert any(a.tolist() != b.tolist() for s in states for a, b in zip(plain[s.layer_idx], two[s.layer_idx]))
+
+
+def test_cake_in_a_shared_prefill_answers_as_in_its_own():
+    """CAKE under both selections beside SnapKV, prefilled once on a hybrid model: each answers as its own prefill."""
+    from pcs.generate import greedy_generate, greedy_generate_each
+    from conftest import tiny_model
+    model = tiny_model("gemma3")
+    ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(1))
+    methods = [build_method(compose(o)) for o in (["method=cake", "budget=20", "method.window=4", "selection=attention"],
+                                                  ["method=cake", "budget=0.4", "method.window=4"],
+                                                  ["method=snapkv", "budget=20", "method.window=4"])]
+    for method, got in zip(methods, greedy_generate_each(model, ids, methods, 8, set())):
+        assert got.token_ids == greedy_generate(model, ids, method, 8, set()).token_ids
 
 
 class Recording:

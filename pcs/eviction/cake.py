@@ -18,7 +18,7 @@ the prefill ends (no cascade, so the one-shot allocation CAKE's cascade approxim
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,7 @@ from ..config import ConfigError, check_room, positive_int
 from .base import LayerState, Method, window_positions
 from .conventions import PAPER, Conventions, kvpress_ratio
 from .scores import group_mean, pool_scores, window_attention
+from .selection import AttentionSelection, PerturbationSelection, scored_layer
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,14 @@ class CAKE(Method):
     gamma: float = 200.0    # the variance's weight in an entry's score
     tau1: float = 1.6       # the entropy's temperature in a layer's preference
     tau2: float = 0.6       # the variance's temperature
+    # attention: each head's top entries by CAKE's score | perturbation: the paper's two stages fill each head's count
+    selection: AttentionSelection | PerturbationSelection = field(default_factory=AttentionSelection)
 
     model_wide = True
+
+    @property
+    def choice_reads_layers(self) -> bool:
+        return self.selection.two_stage
 
     def __post_init__(self):
         if not positive_int(self.window):
@@ -105,10 +112,12 @@ class CAKE(Method):
         scores = pool_scores(attention.mean(dim=1) + self.gamma * spread, self.kernel, "avg", count_padding=True)
         return LayerPreference(group_mean(scores, layer.keys.shape[0]), preference)
 
-    def choose(self, scores: dict[int, LayerPreference], n_tokens: int) -> dict[int, list[torch.Tensor]]:
+    def choose(self, scores: dict[int, LayerPreference], n_tokens: int,
+               layers: dict[int, LayerState] | None = None) -> dict[int, list[torch.Tensor]]:
         """Every layer's budget from the preferences, then each KV head's top entries and the window
-        (cake_scorer_press.py lines 181-196 and 91-134)."""
-        layers = sorted(scores)
+        (cake_scorer_press.py lines 181-196 and 91-134), or, under a two-stage selection, the paper's two stages
+        within each head's count (``layers``: what the second stage reads)."""
+        states, layers = layers, sorted(scores)
         m, total = n_tokens - self.window, self.total(n_tokens, len(layers))
         preferences = [scores[l].preference for l in layers]
         whole = preferences[0]
@@ -119,6 +128,10 @@ class CAKE(Method):
         for layer, count in zip(layers, layer_budgets(shares, total, m)):
             prefix = scores[layer].scores
             count = min(count, m)
+            if self.selection.two_stage:
+                ws = scored_layer(prefix, states[layer], self.conventions, window=self.window)
+                kept[layer] = self.selection.select([count] * prefix.shape[0], ws, tail=self.window)
+                continue
             mask = self.conventions.top_mask(prefix, prefix.new_full((prefix.shape[0],), count, dtype=torch.long),
                                              [count] * prefix.shape[0])
             window = window_positions(n_tokens, self.window, prefix.device)

@@ -20,7 +20,7 @@ from .base import LayerState, Method
 from .conventions import PAPER, Conventions
 from .scorers import SCORERS
 from .scores import group_mean, pool_scores, window_attention
-from .selection import AttentionSelection, PerturbationSelection, WindowScores
+from .selection import AttentionSelection, PerturbationSelection, WindowScores, scored_layer
 
 
 @dataclass
@@ -91,10 +91,7 @@ class WindowEviction(Method):
         if scorer.positional and layer.pad is not None:
             score = each_head_unpadded(score)
         scores = (score(layer) if shared is None else shared.scorer(name, lambda: score(layer)))
-        scores = scores[:, :m].float()                                                 # (H_kv, m)
-        return WindowScores(scores, scores, scores, layer.values[:, :m], layer.o_proj_weight,
-                            window=self.window, protected=self.protected(), conventions=self.conventions,
-                            shared=shared, search=layer.search, work=layer.work)
+        return scored_layer(scores[:, :m].float(), layer, self.conventions, self.window, self.protected(), shared)
 
     def attended(self, layer: LayerState, m: int, valid, shared) -> WindowScores:
         """The prefix ranked by the observation window's pooled attention (Alg. 2 lines 3-5), per the profile's
