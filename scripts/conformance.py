@@ -438,6 +438,8 @@ def earlier_rows(path: Path, cases: list[str]) -> list[dict]:
     def number(value: str):
         if value in ("", "None"):
             return None
+        if value in ("True", "False"):
+            return value == "True"
         try:
             return int(value)
         except ValueError:

@@ -18,6 +18,8 @@ from pcs.eviction.base import LayerState
 from pcs.eviction.cake import layer_budgets
 from pcs.eviction.conventions import kvpress_ratio
 
+from conftest import embedded_essay_layers
+
 
 # ---- the transcription (FFY0/DefensiveKV @ 9251b95) ----
 
@@ -191,34 +193,16 @@ def test_cake_in_a_shared_prefill_answers_as_in_its_own():
         assert got.token_ids == greedy_generate(model, ids, method, 8, set()).token_ids
 
 
-class Recording:
-    """Keeps every layer whole and records the state a prefill hands a method with CAKE's window of 32."""
-    window, model_wide, two_stage, evicts, reconstruction = 32, False, False, True, None
-
-    def __init__(self):
-        self.states = []
-
-    def for_prompt(self, n_tokens):
-        return self
-
-    def keep(self, layer):
-        self.states.append(layer)
-
-
 def test_cake_keeps_the_entries_of_the_authors_code_on_the_embedded_models_layers(embedded_dir):
-    """The embedded SmolLM2 (30 layers, 3 KV heads of 3 query heads) on 600 tokens of an essay, at 0.2 of it."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from pcs.benchmarks.needle import Haystack, essay_files
+    """The embedded SmolLM2 (30 layers, 3 KV heads of 3 query heads) on 600 tokens of an essay, at 0.2 of it, chosen
+    from the layers a prefill hands a method and in a prefill of its own."""
     from pcs.output_perturbation import run_prefill
-    model = AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32).eval()
-    ids = Haystack(AutoTokenizer.from_pretrained(embedded_dir), essay_files(None), "").tokens[:600]
-    recording = Recording()
+    model, ids, states = embedded_essay_layers(embedded_dir)
     with torch.inference_mode():
-        run_prefill(model, torch.tensor([ids]), {"r": recording})
-        want, budgets = reference_kept([(s.window_queries, s.keys) for s in recording.states], 600, 1 - 0.2)
-        got = chosen(cake(0.2), recording.states, 600)
-        through_a_prefill = run_prefill(model, torch.tensor([ids]), {"c": cake(0.2)}).kept["c"]
-    assert len(recording.states) == 30 and got == want and len(set(budgets)) > 10
+        want, budgets = reference_kept([(s.window_queries, s.keys) for s in states], 600, 1 - 0.2)
+        got = chosen(cake(0.2), states, 600)
+        through_a_prefill = run_prefill(model, ids, {"c": cake(0.2)}).kept["c"]
+    assert len(states) == 30 and got == want and len(set(budgets)) > 10
     assert [[row.tolist() for row in layer] for layer in through_a_prefill] == want
 
 
