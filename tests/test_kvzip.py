@@ -184,17 +184,18 @@ def test_kvzip_in_a_shared_prefill_answers_as_in_its_own(arch):
 
 
 def two_stages_by_hand(scores: torch.Tensor, counts: list[int], values: torch.Tensor, o_proj: torch.Tensor,
-                      alpha: float = 0.25) -> list[list[int]]:
-    """The paper's Algorithm 1 in each KV head, one entry at a time: the top ``floor(alpha x count)`` by the score
-    (the earlier first among equal ones), then the rest of the count by the score times the mean over the head's
-    query heads of ``||v W^O_g||_1`` (``W^O_g``: query head g's columns of the output projection)."""
+                      alpha: float = 0.25, sinks: int = 4) -> list[list[int]]:
+    """The paper's Algorithm 1 in each KV head, one entry at a time: the top ``floor(alpha x count)`` by the score,
+    at least the ``sinks`` (which score highest), the earlier first among equal ones; then the rest of the count by the
+    score times the mean over the head's query heads of ``||v W^O_g||_1`` (``W^O_g``: query head g's columns of the
+    output projection)."""
     h_kv, n, d = values.shape
     group = o_proj.shape[1] // d // h_kv
     kept = []
     for h, count in enumerate(counts):
         norms = [sum(float((values[h, p] @ o_proj[:, g * d:(g + 1) * d].T).abs().sum())
                      for g in range(h * group, (h + 1) * group)) / group for p in range(n)]
-        first = sorted(range(n), key=lambda p: (-float(scores[h, p]), p))[:int(alpha * count)]
+        first = sorted(range(n), key=lambda p: (-float(scores[h, p]), p))[:max(int(alpha * count), min(sinks, count))]
         rest = sorted((p for p in range(n) if p not in first), key=lambda p: (-float(scores[h, p]) * norms[p], p))
         kept.append(sorted(first + rest[:count - len(first)]))
     return kept
@@ -222,7 +223,8 @@ def test_perturbation_selection_over_kvzip_fills_each_heads_count_by_the_papers_
         want = two_stages_by_hand(boosted[l], counts, states[l].values, states[l].o_proj_weight)
         assert [h.tolist() for h in perturbation[l]] == want
         stage_one_decides.append(want != two_stages_by_hand(boosted[l], counts, states[l].values,
-                                                            states[l].o_proj_weight, alpha=0))
+                                                            states[l].o_proj_weight, alpha=0, sinks=0))
+        assert all(set(range(4)) <= set(h) for h in want)      # the sinks always kept
     assert any(stage_one_decides)
     assert any(a.tolist() != p.tolist() for l in layers for a, p in zip(attention[l], perturbation[l]))
 

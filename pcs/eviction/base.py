@@ -110,7 +110,9 @@ class Method:
 
     ``choice_reads_layers``: a model-wide method whose ``choose`` reads the layers themselves, not only their scores
     (a two-stage selection within each head's count reads the entries' values and the output projection): ``choose``
-    then gets every layer's ``LayerState`` as the prefill handed it, as ``layers``.
+    then gets every layer's ``LayerState`` as the prefill handed it, less the prompt's queries, as ``layers``. Such a
+    method's ``two_stage`` stays False: the perturbation analysis and ``pcs.bench``'s stage-2 counts read layer-by-layer
+    methods only.
     """
     window: int = 0
     model_wide: bool = False

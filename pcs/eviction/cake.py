@@ -15,6 +15,10 @@ The model's prefix budget, ``int((entries per head - window) x layers)``, is spl
 and adjusted to integers as ``CakeScorerPress.adjust_budgets`` does (``layer_budgets``); every KV head of a layer
 then keeps the same number of its own top entries, and the window on top. The authors' code evicts every layer once
 the prefill ends (no cascade, so the one-shot allocation CAKE's cascade approximates); so does pcs.
+
+pcs computes the attention, its statistics and the preferences in float32. The code keeps them in the model's dtype
+(on a bf16 model the softmax, the mean, the variance, the pooling and ``V^(1/tau2)`` are rounded to bf16), so the
+same entries are kept on a float32 model, and near-ties or a layer's budget may fall otherwise on a bf16 one.
 """
 from __future__ import annotations
 
@@ -86,8 +90,13 @@ class CAKE(Method):
         return self.selection.two_stage
 
     def __post_init__(self):
-        if not positive_int(self.window):
-            raise ConfigError(f"method.window={self.window!r}: CAKE reads the window's attention; it must be at least 1")
+        if not (positive_int(self.window) and self.window >= 2):
+            raise ConfigError(f"method.window={self.window!r}: CAKE reads the variance of the window's attention over "
+                              f"its queries; it needs at least 2")
+        for knob in ("tau1", "tau2"):
+            if not getattr(self, knob) > 0:
+                raise ConfigError(f"method.{knob}={getattr(self, knob)!r}: a layer's preference takes a 1/{knob} power; "
+                                  f"it must be above 0")
         check_room(self.budget, self.window)
 
     def for_prompt(self, n_tokens: int) -> Method:

@@ -84,7 +84,7 @@ class KVzip(Method):
             keep = torch.ones(per_layer, dtype=torch.bool, device=ranked.device)
             keep[self.lowest(ranked[i].flatten(), count)] = False
             kept[layer] = [row.nonzero().flatten() for row in keep.view(ranked.shape[1], n_tokens)]
-            if self.selection.two_stage:
-                counts = [len(row) for row in kept[layer]]
-                kept[layer] = self.selection.select(counts, scored_layer(ranked[i], states[layer], self.conventions))
+            if self.selection.two_stage:     # each head's count filled by the two stages, the sinks in stage 1
+                ws = scored_layer(ranked[i], states[layer], self.conventions, protected=self.sinks)
+                kept[layer] = self.selection.select([len(row) for row in kept[layer]], ws)
         return kept

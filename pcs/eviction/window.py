@@ -1,7 +1,8 @@
 """SnapKV-style eviction, shared by SnapKV, PyramidKV and AdaKV: the observation window scores the
 prefix, an allocation gives each KV head its budget, the selection picks the entries (Alg. 2). ``scorer``
 replaces the window's pooled attention by another score of the prefix (``pcs.eviction.scorers``: kvpress's
-KNorm, KeyDiff, TOVA, Expected Attention, observed attention), under the same allocations and selections.
+KNorm, KeyDiff, TOVA, Expected Attention, observed attention, LagKV, CUR), under the same allocations and
+selections.
 
 The selection rule (attention or perturbation) is orthogonal to the allocation (uniform, pyramid,
 adaptive): a method here only says how a layer's budget is split, in ``prefix_budgets``. The last
