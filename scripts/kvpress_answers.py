@@ -10,8 +10,9 @@ presses), its question and answer fed as its pipeline's ``generate_answer`` feed
 the uncompressed context). On the embedded model, RULER niah_single_1/2/3 at 2,048 tokens (the first samples of
 each), with the question compressed with the context (budgets 256, 512) and fed after compression (1,024,
 1,536), as the reference sweep of results/embedded/ruler; SnapKV, AdaKV, CriticalKV, CriticalAdaKV, Expected
-Attention and observed attention (``--cases``: any of scripts/conformance.py's). Writes results/conformance/answers.csv and answers.md;
-exits 1 if any answer differs.
+Attention, observed attention, LagKV, CUR, ChunkKV, KVzip and KVzip+ (``--cases``: any of scripts/conformance.py's;
+``--merge`` keeps the other cases' rows). Writes results/conformance/answers.csv and answers.md; exits 1 if any
+answer differs.
 """
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ import json
 import sys
 from pathlib import Path
 
-from conformance import (CASES, EAGER, FLOOR, PRESSES, ROOT, SCORED, KvpressWorker, arguments, embedded_model,
-                         kvpress_press, write_csv)
+from conformance import (CASES, EAGER, FLOOR, PRESSES, ROOT, SCORED, KvpressWorker, arguments, earlier_rows,
+                         embedded_model, kvpress_press, write_csv)
 
 WINDOW, KERNEL = 32, 7
-ANSWER_CASES = ["snapkv", "adakv", "criticalkv", "criticaladakv", "expected_attention", "observed_attention"]
+ANSWER_CASES = ["snapkv", "adakv", "criticalkv", "criticaladakv", "expected_attention", "observed_attention", "lagkv",
+                "cur", "chunkkv", "kvzip", "kvzip_plus"]
 SETTINGS = {"question inside": (True, [256, 512]), "question after": (False, [1024, 1536])}
 
 
@@ -86,9 +88,10 @@ def register_eager_prefill() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(EAGER_PREFILL, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
 
 
-def pcs_answers(model, prompt, methods: dict, sample, stops: set[int]) -> dict[str, list[int]]:
+def pcs_answers(model, prompt, methods: dict, sample, stops: set[int], repeat) -> dict[str, list[int]]:
     """Each method's greedy answer, as a run generates it: one shared prefill for the methods kvpress runs on SDPA,
-    another, eager, for those whose press reads attention weights (``register_eager_prefill``)."""
+    another, eager, for those whose press reads attention weights (``register_eager_prefill``); ``repeat``: the
+    model's request to repeat a context (KVzip's)."""
     import torch
     from pcs.generate import greedy_generate_each
     from pcs.models import ATTN_IMPLEMENTATION
@@ -100,7 +103,7 @@ def pcs_answers(model, prompt, methods: dict, sample, stops: set[int]) -> dict[s
             continue
         model.set_attn_implementation(kind)
         generations = greedy_generate_each(model, torch.tensor([prompt.context]), list(mine.values()),
-                                           sample.max_new_tokens, stops, question_ids=question)
+                                           sample.max_new_tokens, stops, question_ids=question, repeat=repeat)
         answers.update({key: g.token_ids for key, g in zip(mine, generations)})
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     return answers
@@ -112,7 +115,9 @@ def compare(args) -> list[dict]:
     from pcs.eviction.conventions import kvpress_ratio
     from pcs.models import stop_token_ids
     from pcs.benchmarks.base import checked_benchmark
+    from pcs.prompts import repeat_prompt
     model_cfg, model, tokenizer = embedded_model()
+    repeat = repeat_prompt(tokenizer, model_cfg)     # KVzipPress's, from the tokenizer's chat template
     register_eager_prefill()
     worker = KvpressWorker(args.kvpress_python, __file__, model_cfg)
     rows = []
@@ -133,7 +138,7 @@ def compare(args) -> list[dict]:
             prompt = benchmark.encode(sample, tokenizer, model_cfg)
             stops = stop_token_ids(model, tokenizer) | {tokenizer.encode(t, add_special_tokens=False)[-1]
                                                         for t in sample.stop_texts}
-            ours = pcs_answers(model, prompt, methods, sample, stops)
+            ours = pcs_answers(model, prompt, methods, sample, stops, repeat)
             for (case, budget), tokens in ours.items():
                 # A budget of the whole context keeps everything in pcs; kvpress refuses a negative ratio.
                 ratio = max(0.0, kvpress_ratio(budget, len(prompt.context)))
@@ -177,10 +182,13 @@ def main() -> int:
     def add_arguments(parser):
         parser.add_argument("--samples", type=int, default=2, help="the first samples of each task")
         parser.add_argument("--cases", nargs="+", choices=list(CASES), default=ANSWER_CASES)
+        parser.add_argument("--merge", action="store_true", help="keep the other cases' rows of --out's answers.csv")
     args = arguments(__doc__, kvpress_worker, add_arguments)
     if args is None:
         return 0
     rows = compare(args)
+    if args.merge:
+        rows = earlier_rows(args.out / "answers.csv", args.cases) + rows
     write(rows, args.out)
     different = [r for r in rows if not r["identical"]]
     print(f"[pcs] answers: {len(rows) - len(different)} of {len(rows)} identical; {args.out / 'answers.md'}")

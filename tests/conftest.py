@@ -67,6 +67,34 @@ def tiny_model(arch: str = "llama", seed: int = 0):
     return prepare(AutoModelForCausalLM.from_config(ARCHITECTURES[arch]()))
 
 
+def embedded_essay_layers(model_dir, n_tokens: int = 600, window: int = 32) -> tuple:
+    """(model, ids, states): the model at ``model_dir`` (float32), the first ``n_tokens`` of Paul Graham's essays, and
+    every layer's ``LayerState`` as their prefill hands it to a method with this observation window, every layer kept
+    whole: the real layers a transcription of a reference implementation is held to."""
+    from transformers import AutoTokenizer
+    from pcs.benchmarks.needle import Haystack, essay_files
+    from pcs.output_perturbation import run_prefill
+
+    class Recording:
+        model_wide, two_stage, evicts, reconstruction = False, False, True, None
+
+        def __init__(self):
+            self.window, self.states = window, []
+
+        def for_prompt(self, n):
+            return self
+
+        def keep(self, layer):
+            self.states.append(layer)
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = Haystack(AutoTokenizer.from_pretrained(model_dir), essay_files(None), "").tokens[:n_tokens]
+    recording = Recording()
+    with torch.inference_mode():
+        run_prefill(model, torch.tensor([ids]), {"r": recording})
+    return model, torch.tensor([ids]), recording.states
+
+
 @pytest.fixture(params=sorted(ARCHITECTURES))
 def arch(request):
     return request.param

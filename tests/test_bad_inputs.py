@@ -58,6 +58,11 @@ BY_HAND = [
     (["engine.pool=abc"], "engine.pool='abc'"), (["engine.cuda_graphs=maybe"], "engine.cuda_graphs"),
     (["engine.stage2.search=everything"], "engine.stage2.search=everything"),
     (["engine.layers_behind=-1"], "engine.layers_behind=-1"), (["engine.pol=3"], "engine.pol=3"),
+    # a selection named for a method that ranks by its own rule (a sweep over selections runs it once instead)
+    (["method=streamingllm", "selection=perturbation"], "selection=perturbation: method=streamingllm ranks by its own"),
+    (["method=layer_defensivekv", "selection.alpha=0.5"], "selection.alpha=0.5: method=layer_defensivekv"),
+    (["method=chunkkv", "selection=attention"], "selection=attention: method=chunkkv"),
+    (["method=kvzip", "preset=criticalkv"], "method=kvzip has none it wraps"),
     (["hydra/launcher=slurmm"], "hydra/launcher=slurmm"), (["experiment=nope"], "experiment=nope"),
     (["preset=nope"], "preset=nope"), (["ablation=nope"], "ablation=nope"), (["+method.window=3"], "+method.window=3"),
     (["method=[a"], "method=[a"), (["budget"], "'budget'"), (["foo=1"], "foo=1"), (["foo.bar=1"], "foo.bar=1"),

@@ -39,10 +39,10 @@ def test_models_declare_dtype_length_chat_and_path():
 def test_run_names_distinguish_cells_and_knobs():
     names = {RunIdentity(compose_cfg(f"method={m}", f"selection={s}", f"budget={b}")).folder
              for m in GROUPS["method"] for s in ("attention", "perturbation") for b in (64, 128)}
-    # full ignores selection and budget, streamingllm, laprox, the two DefensiveKVs and the two KVzips ignore
-    # selection; the window methods and the scorers (knorm, keydiff, tova, expected_attention, observed_attention)
-    # read both.
-    assert len(names) == 1 + 2 + 2 + 2 + 2 + 2 + 2 + 8 * 2 * 2
+    # full ignores selection and budget, streamingllm, laprox, the two DefensiveKVs and ChunkKV ignore selection; the
+    # window methods, the scorers (knorm, keydiff, tova, expected_attention, observed_attention, lagkv, cur), the two
+    # KVzips and CAKE read both.
+    assert len(names) == 1 + 5 * 2 + 13 * 2 * 2
     assert "needle/smollm2/laprox_none_b64" in names
     assert RunIdentity(compose_cfg("selection.alpha=0")).folder == "needle/smollm2/snapkv_perturbation_b128_alpha=0"
     assert "stage2_source=pooled" in RunIdentity(compose_cfg("selection=perturbation_released")).folder

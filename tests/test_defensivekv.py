@@ -16,6 +16,8 @@ from pcs.errors import ConfigError
 from pcs.eviction import build_method
 from pcs.eviction.base import LayerState
 
+from conftest import embedded_essay_layers
+
 
 # ---- the transcription (FFY0/DefensiveKV @ 9251b95) ----
 
@@ -162,38 +164,16 @@ def test_layer_defensivekv_keeps_the_entries_of_the_authors_code_across_layers()
     assert len({sum(map(len, kept)) for kept in got}) > 1       # the layers' shares differ
 
 
-class Recording:
-    """Keeps every layer whole and records the state a prefill hands a method with a window of 32."""
-    window, model_wide, two_stage, evicts = 32, False, False, True
-
-    def __init__(self):
-        self.states = []
-
-    def for_prompt(self, n_tokens):
-        return self
-
-    def keep(self, layer):
-        self.states.append(layer)
-        return None
-
-
 def test_defensivekv_keeps_the_entries_of_the_authors_code_on_the_embedded_models_layers(embedded_dir):
     """The embedded SmolLM2 (30 layers, 3 KV heads of 3 query heads) on 600 tokens of an essay: every layer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from pcs.benchmarks.needle import Haystack, essay_files
-    from pcs.output_perturbation import run_prefill
-    model = AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32).eval()
-    ids = Haystack(AutoTokenizer.from_pretrained(embedded_dir), essay_files(None), "").tokens[:600]
-    recording = Recording()
-    with torch.no_grad():
-        run_prefill(model, torch.tensor([ids]), {"r": recording})
+    _, _, states = embedded_essay_layers(embedded_dir)
     budget, differ = 120, []
     with torch.inference_mode():        # the prefill's tensors
-        for layer in recording.states:
+        for layer in states:
             flat, cr = reference_of(layer, budget)
             if [h.tolist() for h in defensive(budget).keep(layer)] != reference_layer_kept(flat, 3, cr):
                 differ.append(layer.layer_idx)
-    assert len(recording.states) == 30 and differ == []
+    assert len(states) == 30 and differ == []
 
 
 def test_defensivekv_takes_no_selection_and_a_budget_that_holds_its_window():

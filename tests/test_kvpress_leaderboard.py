@@ -118,6 +118,8 @@ PRESSES = {   # kvpress's leaderboard name -> (method, knobs that make it that p
     "pyramidkv": ("pyramidkv", {"window": 64, "kernel": 5, "pooling": "avg", "beta": 20}),
     "expected_attention": ("adakv", {"scorer": "expected_attention", "window": 0, "scorer_epsilon": 0.01,
                                      "floor": 0.2}),
+    "lagkv": ("lagkv", {}), "cur": ("cur", {}), "kvzip": ("kvzip", {"scope": "model", "chunk": 2048, "sinks": 4}),
+    "chunkkv": ("chunkkv", {"window": 64, "kernel": 5, "pooling": "avg", "chunk": 20, "scorer": "window_attention"}),
     "query_aware_snapkv": ("snapkv", {"window": 64, "kernel": 5, "pooling": "avg"}),
     "query_aware_adakv_snapkv": ("adakv", {"window": 64, "kernel": 5, "pooling": "avg", "floor": 0.2}),
 }
@@ -128,7 +130,7 @@ def test_the_leaderboard_sweeps_kvpresss_presses_ratios_and_protocols():
     presses pcs shares with it with the question kept out, then SnapKV and AdaKV-SnapKV with it inside."""
     cfgs = sweep_configs(["experiment=kvpress_leaderboard"])
     runs = {RunIdentity(c).folder: c for c in cfgs}
-    assert len(runs) == 1 + 10 * 4
+    assert len(runs) == 1 + 14 * 4
     for cfg in runs.values():
         assert cfg.model.name == "qwen3_8b" and cfg.benchmark.name == "ruler_kvpress"
         assert list(cfg.benchmark.lengths) == [4096] and len(cfg.benchmark.tasks) == 13
@@ -144,7 +146,7 @@ def test_the_leaderboard_sweeps_kvpresss_presses_ratios_and_protocols():
     groups = plan(cfgs)
     assert sorted(tuple({RunIdentity(cfgs[i]).protocol for i in g}) for g in groups) == [
         ("question after compression",), ("question inside",)]
-    assert sorted(len({RunIdentity(cfgs[i]).folder for i in g}) for g in groups) == [8, 33]
+    assert sorted(len({RunIdentity(cfgs[i]).folder for i in g}) for g in groups) == [8, 49]
 
 
 def test_the_leaderboard_dry_runs_and_is_priced(tmp_path):
@@ -153,8 +155,8 @@ def test_the_leaderboard_dry_runs_and_is_priced(tmp_path):
                           f"benchmark.data_dir={tmp_path}", "hydra.launcher.dry_run=true"],
                          cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert "41 runs, in 2 local job(s)" in out.stdout and out.stdout.count("ruler_kvpress/qwen3_8b/") == 41
-    for protocol, runs in (("question after compression", 33), ("question inside", 8)):
+    assert "57 runs, in 2 local job(s)" in out.stdout and out.stdout.count("ruler_kvpress/qwen3_8b/") == 57
+    for protocol, runs in (("question after compression", 49), ("question inside", 8)):
         assert (f"model=qwen3_8b benchmark=ruler_kvpress (13 tasks at 4096 tokens, {protocol}; budgets 0.75, 0.5, "
                 f"0.25, 0.125), {runs} run(s)") in out.stdout
     absent = subprocess.run([sys.executable, "run.py", "-m", "experiment=kvpress_leaderboard",
@@ -164,5 +166,5 @@ def test_the_leaderboard_dry_runs_and_is_priced(tmp_path):
     text = project(["experiment=kvpress_leaderboard"], str(ROOT / "results/bench/gpu_NVIDIA_H200.jsonl"), None,
                    decode_file=str(ROOT / "results/bench/gpu_NVIDIA_H200_decode.jsonl"))
     jobs = [line.split("|") for line in text.splitlines() if re.match(r"\| \d+ \| qwen3_8b", line)]
-    assert sorted(int(j[3]) for j in jobs) == [8, 33] and all(int(j[4]) == 13 * 500 for j in jobs)
+    assert sorted(int(j[3]) for j in jobs) == [8, 49] and all(int(j[4]) == 13 * 500 for j in jobs)
     assert all(float(j[5]) > 0 and float(j[7]) > 0 for j in jobs)

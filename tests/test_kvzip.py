@@ -162,13 +162,17 @@ def test_kvpress_counts_its_evictions_from_a_ratio(scope):
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_kvzip_in_a_shared_prefill_answers_as_in_its_own(arch):
-    """KVzip, KVzip+ (layer scope) and two methods that need no reconstruction, prefilled once: each answers as its
-    own prefill does, and the reconstruction leaves the others' caches as they were."""
+    """KVzip, KVzip+ (layer scope), KVzip under perturbation selection (its second stage reads the layers' values)
+    and two methods that need no reconstruction, prefilled once: each answers as its own prefill does, and the
+    reconstruction leaves the others' caches as they were."""
     model = tiny_model(arch)
     torch.manual_seed(3)
     ids = torch.randint(0, 256, (1, 48))
-    methods = [build_method(compose_cfg(*o)) for o in (["method=kvzip", "budget=12", "method.chunk=20"],
-                                                       ["method=kvzip_plus", "budget=12", "method.scope=layer"],
+    methods = [build_method(compose_cfg(*o)) for o in (["method=kvzip", "budget=12", "method.chunk=20",
+                                                        "selection=attention"],
+                                                       ["method=kvzip_plus", "budget=12", "method.scope=layer",
+                                                        "selection=attention"],
+                                                       ["method=kvzip", "budget=12", "selection=perturbation"],
                                                        ["method=snapkv", "budget=12", "method.window=4"],
                                                        ["method=full"])]
     shared = greedy_generate_each(model, ids, methods, 8, set(), repeat=REPEAT)
@@ -176,7 +180,53 @@ def test_kvzip_in_a_shared_prefill_answers_as_in_its_own(arch):
         alone = greedy_generate(model, ids, method, 8, set(), repeat=REPEAT)
         assert got.token_ids == alone.token_ids
         assert got.kv_cache_bytes == alone.kv_cache_bytes
-    assert shared[0].kv_cache_bytes < shared[3].kv_cache_bytes
+    assert shared[0].kv_cache_bytes < shared[4].kv_cache_bytes
+
+
+def two_stages_by_hand(scores: torch.Tensor, counts: list[int], values: torch.Tensor, o_proj: torch.Tensor,
+                      alpha: float = 0.25, sinks: int = 4) -> list[list[int]]:
+    """The paper's Algorithm 1 in each KV head, one entry at a time: the top ``floor(alpha x count)`` by the score,
+    at least the ``sinks`` (which score highest), the earlier first among equal ones; then the rest of the count by the
+    score times the mean over the head's query heads of ``||v W^O_g||_1`` (``W^O_g``: query head g's columns of the
+    output projection)."""
+    h_kv, n, d = values.shape
+    group = o_proj.shape[1] // d // h_kv
+    kept = []
+    for h, count in enumerate(counts):
+        norms = [sum(float((values[h, p] @ o_proj[:, g * d:(g + 1) * d].T).abs().sum())
+                     for g in range(h * group, (h + 1) * group)) / group for p in range(n)]
+        first = sorted(range(n), key=lambda p: (-float(scores[h, p]), p))[:max(int(alpha * count), min(sinks, count))]
+        rest = sorted((p for p in range(n) if p not in first), key=lambda p: (-float(scores[h, p]) * norms[p], p))
+        kept.append(sorted(first + rest[:count - len(first)]))
+    return kept
+
+
+@pytest.mark.parametrize("scope", ["model", "layer"])
+def test_perturbation_selection_over_kvzip_fills_each_heads_count_by_the_papers_two_stages(scope):
+    """KVzip's ranking gives each (layer, KV head) its count; under ``selection=perturbation`` the paper's two stages
+    fill it (stage 1 by KVzip's score, sinks first, stage 2 by the score times the value norm through W^O)."""
+    from pcs.eviction.base import LayerState
+    from pcs.eviction.selection import PerturbationSelection
+    g = torch.Generator().manual_seed(0)
+    n, heads, d, layers = 30, 3, 8, [0, 2, 5]
+    scores = {l: torch.rand(heads, n, generator=g) for l in layers}
+    # value norms spread over two orders of magnitude, so that stage 1 keeps entries stage 2 alone would not
+    states = {l: LayerState(l, 6, torch.randn(heads, n, d, generator=g),
+                            torch.randn(heads, n, d, generator=g) * torch.exp(2 * torch.randn(1, n, 1, generator=g)),
+                            torch.randn(2 * heads, 1, d, generator=g), torch.randn(24, 2 * heads * d, generator=g))
+              for l in layers}
+    attention = KVzip(budget=8, scope=scope).choose(scores, n)
+    perturbation = KVzip(budget=8, scope=scope, selection=PerturbationSelection()).choose(scores, n, states)
+    boosted, stage_one_decides = ranked(scores, 4), []
+    for l in layers:
+        counts = [len(h) for h in attention[l]]
+        want = two_stages_by_hand(boosted[l], counts, states[l].values, states[l].o_proj_weight)
+        assert [h.tolist() for h in perturbation[l]] == want
+        stage_one_decides.append(want != two_stages_by_hand(boosted[l], counts, states[l].values,
+                                                            states[l].o_proj_weight, alpha=0, sinks=0))
+        assert all(set(range(4)) <= set(h) for h in want)      # the sinks always kept
+    assert any(stage_one_decides)
+    assert any(a.tolist() != p.tolist() for l in layers for a, p in zip(attention[l], perturbation[l]))
 
 
 def test_kvzip_without_a_repeat_request_says_what_it_needs():

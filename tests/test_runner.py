@@ -110,7 +110,7 @@ def test_bad_laprox_knobs_fail_before_the_model_loads(tmp_path, monkeypatch, ove
 @pytest.mark.parametrize("overrides,expected", [
     (["budget=8"], ["budget=8", "window"]),
     (["budget=0"], ["budget=0", "positive integer"]),
-    (["preset=criticalkv", "method=streamingllm"], ["method=streamingllm has none", "adakv, expected_attention"]),
+    (["preset=criticalkv", "method=streamingllm"], ["method=streamingllm has none", "adakv, cur, expected_attention"]),
     (["engine.pool=0"], ["engine.pool=0"]),
     (["engine.stage2.search=everything"], ["engine.stage2.search=everything", "auto, bounded, exhaustive"]),
     (["engine.stage2.loose_share=2"], ["engine.stage2.loose_share=2 must lie in [0, 1]"]),

@@ -1,10 +1,11 @@
-"""The scorers of ``pcs.eviction.scorers`` (kvpress 0.5.5's KNorm, KeyDiff, TOVA, Expected Attention and observed
-attention presses) and the methods over
+"""The scorers of ``pcs.eviction.scorers`` (kvpress 0.5.5's KNorm, KeyDiff, TOVA, Expected Attention, observed
+attention, LagKV and CUR presses) and the methods over
 them: each score against a brute-force reading of its press's ``score`` (file and line cited per test), the kept
 entries against kvpress's selections written out (``ScorerPress.compress``, ``AdaKVPress.compress``,
 ``CriticalKVPress.score``), pooled decoding against batch 1, and the configs that cannot mean anything refused
 before a model loads."""
 import math
+import statistics
 import subprocess
 import sys
 import time
@@ -62,6 +63,83 @@ def test_tova_is_the_newest_querys_attention_averaged_over_every_query_head():
     mean = [sum(r[j] for r in rows) / h_q for j in range(n - 1)]
     want = torch.tensor(mean + [max(mean) + 1]).expand(h_kv, n)
     torch.testing.assert_close(scorers.tova(layer), want, rtol=1e-5, atol=1e-7)
+
+
+def lagkv_by_hand(layer, sinks=4, lag=128):
+    """kvpress 0.5.5 presses/lagkv_press.py lines 45-97, one entry at a time in float64: after the sinks, whole
+    partitions of ``lag``; in each but the last, every key's (and value's) features scaled by the next partition's
+    per-feature min and max, their sample standard deviation softmaxed over the partition, keys' and values' averaged,
+    and the entry's rank in its partition (0 the lowest) over ``lag``; sinks and the rest score 1."""
+    h, n, _ = layer.keys.shape
+    parts = (n - sinks) // lag
+    rows = []
+    for head in range(h):
+        row = [1.0] * sinks
+        for p in range(parts - 1):
+            start = sinks + p * lag
+            softmaxed = []
+            for states in (layer.keys[head].double(), layer.values[head].double()):
+                reference = states[start + lag:start + 2 * lag]
+                low, high = reference.min(dim=0).values, reference.max(dim=0).values
+                spread = [statistics.stdev(((states[start + i] - low) / (high - low)).tolist()) for i in range(lag)]
+                weights = [math.exp(x - max(spread)) for x in spread]
+                softmaxed.append([w / sum(weights) for w in weights])
+            score = [(a + b) / 2 for a, b in zip(*softmaxed)]
+            rank = {i: r for r, i in enumerate(sorted(range(lag), key=score.__getitem__))}
+            row += [rank[i] / lag for i in range(lag)]
+        rows.append(row + [1.0] * (n - len(row)))
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def test_lagkv_ranks_each_entry_against_the_next_partitions_range():
+    """600 entries: 4 sinks, partitions at 4, 132, 260 and 388 (the last, 388-515, and the 84 after it score 1)."""
+    layer = random_layer(7, n=600)
+    scores = scorers.lagkv(layer)
+    assert scores.dtype == layer.keys.dtype
+    assert torch.equal(scores.double(), lagkv_by_hand(layer))
+    assert (scores[:, 388:] == 1).all() and (scores[:, 4:388] < 1).all()
+
+
+def test_lagkv_on_a_sequence_shorter_than_two_partitions_keeps_its_sinks_then_its_newest_entries():
+    """kvpress 0.5.5 presses/lagkv_press.py lines 56-63: below 4 + 2 x 128 entries the sinks score 1 and the others
+    ``i / (n - 4)`` in order."""
+    layer = random_layer(8, n=259)
+    want = torch.cat([torch.ones(4), torch.arange(255) / 255]).expand(2, -1)
+    assert torch.equal(scorers.lagkv(layer), want)
+
+
+def test_cur_is_the_product_of_local_key_and_value_leverages_normalised():
+    """kvpress 0.5.5 presses/cur_press.py lines 34-67 with its defaults, one entry at a time in float64: each squared
+    key norm over its block of 16's sum (the 70 entries' last block holds 6), likewise the values', their product over
+    the head's sum, the first 4 entries at 1."""
+    layer = random_layer(9, n=70)
+    rows = []
+    for keys, values in zip(layer.keys.double(), layer.values.double()):
+        def local(squares):
+            return [x / sum(squares[i // 16 * 16:i // 16 * 16 + 16]) for i, x in enumerate(squares)]
+        product = [a * b for a, b in zip(local((keys ** 2).sum(-1).tolist()), local((values ** 2).sum(-1).tolist()))]
+        rows.append([1.0] * 4 + [x / sum(product) for x in product[4:]])
+    torch.testing.assert_close(scorers.cur(layer).double(), torch.tensor(rows, dtype=torch.float64), rtol=1e-5, atol=0)
+
+
+def test_a_positional_scorer_scores_a_padded_head_on_its_own_entries():
+    """Decoding-time compression pads heads at the front: LagKV and CUR, which read entries by their place, score
+    each head as if its entries were alone (the padding never kept), and a position-free scorer needs no such care."""
+    from pcs.eviction.window import each_head_unpadded
+    layer = random_layer(10, n=300)
+    layer.pad = torch.tensor([0, 37])
+    for name in ("lagkv", "cur"):
+        score = getattr(scorers, name)
+        padded = each_head_unpadded(score)(layer)
+        alone = score(LayerState(0, 1, layer.keys[1:, 37:], layer.values[1:, 37:], layer.window_queries,
+                                 layer.o_proj_weight))
+        assert torch.equal(padded[1, 37:], alone[0]) and torch.isinf(padded[1, :37]).all()
+        assert torch.equal(padded[0], score(LayerState(0, 1, layer.keys[:1], layer.values[:1], layer.window_queries,
+                                                       layer.o_proj_weight))[0])
+        assert not torch.equal(padded[1, 37:], score(layer)[1, 37:])     # the padding would have moved its scores
+        kept = build_method(compose([f"method={name}", "budget=40", "selection=attention"])).keep(layer)
+        first = sorted(range(len(alone[0])), key=lambda p: (-float(alone[0, p]), p))[:40]   # the earlier among equals
+        assert kept[1].tolist() == [37 + p for p in sorted(first)] and len(kept[0]) == 40
 
 
 class RandomPrompt:
@@ -220,7 +298,7 @@ def method(*overrides):
     return build_method(compose(["profile=kvpress", *overrides]))     # its selection: attention
 
 
-SCORED = ["knorm", "keydiff", "tova", "expected_attention", "observed_attention"]
+SCORED = ["knorm", "keydiff", "tova", "expected_attention", "observed_attention", "lagkv", "cur"]
 
 
 @pytest.mark.parametrize("name,ties", [(name, False) for name in SCORED] + [("tova", True)])
@@ -282,7 +360,9 @@ def tie_at_cut(scores: torch.Tensor, k: int) -> bool:
 # With a repeated token, budgets at which a tie falls at the cut (observed attention has none: each copy is seen
 # by a different number of queries).
 TIED_CRITICAL = {"knorm": 20, "keydiff": 32, "tova": 24, "expected_attention": 12}
-TIED_ADAKV = {"knorm": 12, "keydiff": 30, "expected_attention": 12}
+# LagKV's ranks repeat in every partition of every head, so AdaKV's one cut over the layer falls inside a tie (on 400
+# entries, past the 144 that score 1, each rank held by 8 entries: budget 199 prunes 804).
+TIED_ADAKV = {"knorm": 12, "keydiff": 30, "expected_attention": 12, "lagkv": 199}
 
 
 @pytest.mark.parametrize("name,ties", [(name, False) for name in SCORED] + [(name, True) for name in TIED_CRITICAL])
@@ -303,13 +383,13 @@ def test_criticalkv_over_a_scorer_keeps_what_criticalkvpress_keeps(name, ties):
 
 
 @pytest.mark.parametrize("name,ties", [(name, False) for name in ["knorm", "keydiff", "expected_attention",
-                                                                   "observed_attention"]]
+                                                                   "observed_attention", "cur"]]
                          + [(name, True) for name in TIED_ADAKV])
 def test_adakv_over_a_scorer_keeps_what_adakvpress_keeps(name, ties):
     """kvpress 0.5.5 presses/adakv_press.py lines 54-81: the top ``max(1, int(budget x 0.2))`` of each head
     protected, the layer's lowest ``H_kv x (n - budget)`` entries pruned together (with a repeated token, its one
     bottom-k decides which copies go, and pcs's does the same)."""
-    layer, budget = prompt_layer(5, h_kv=4, h_q=8), (TIED_ADAKV[name] if ties else 20)
+    layer, budget = prompt_layer(5, h_kv=4, h_q=8, n=400 if name == "lagkv" else 40), (TIED_ADAKV[name] if ties else 20)
     if ties:
         layer = repeated(layer)
     kept = method("method=adakv", f"method.scorer={name}", "method.window=0", f"budget={budget}").keep(layer)
@@ -423,6 +503,20 @@ def test_pooled_decoding_over_scorers_gives_batch_one_tokens():
         model = tiny_model(arch)
         differ, _, compared = compare(model, samples(model), cells, sizes=(3,))
         assert compared == 4 * len(cells) and differ == 0
+
+
+def test_pooled_decoding_time_compression_over_positional_scorers_gives_batch_one_tokens():
+    """LagKV and CUR recompressing while decoding (a trigger of 50), under AdaKV's uneven heads, so that pooled heads
+    are padded at the front: each head scored on its own entries gives batch 1's tokens."""
+    from test_pool import compare, samples
+    cells = [("method=lagkv", "selection=attention"), ("method=adakv", "method.scorer=lagkv", "method.window=0"),
+             ("method=cur", "selection=perturbation"), ("method=adakv", "method.scorer=cur", "method.window=0")]
+    model = tiny_model("llama")
+    sample_list = samples(model)
+    for s in sample_list:
+        s["max_new"], s["stops"] = 30, set()
+    differ, _, compared = compare(model, sample_list, cells, sizes=(3,), triggers=[50] * len(cells))
+    assert compared == 4 * len(cells) and differ == 0
 
 
 @pytest.mark.parametrize("name", SCORED)

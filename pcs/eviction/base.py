@@ -107,6 +107,12 @@ class Method:
 
     ``reconstruction``: a model-wide method scored by a reconstruction after the prefill (KVzip) says which; its
     ``choose`` then receives those scores instead of ``score``'s.
+
+    ``choice_reads_layers``: a model-wide method whose ``choose`` reads the layers themselves, not only their scores
+    (a two-stage selection within each head's count reads the entries' values and the output projection): ``choose``
+    then gets every layer's ``LayerState`` as the prefill handed it, less the prompt's queries, as ``layers``. Such a
+    method's ``two_stage`` stays False: the perturbation analysis and ``pcs.bench``'s stage-2 counts read layer-by-layer
+    methods only.
     """
     window: int = 0
     model_wide: bool = False
@@ -114,16 +120,20 @@ class Method:
     exhaustive_stage2: bool = False
     evicts: bool = True
     reconstruction: Reconstruction | None = None
+    choice_reads_layers: bool = False
 
     def keep(self, layer: LayerState) -> Kept:
         raise NotImplementedError
 
     def score(self, layer: LayerState) -> torch.Tensor | None:
-        """A model-wide method's (H_kv, m) scores of one layer, comparable across layers (None: kept whole)."""
+        """A model-wide method's scores of one layer ((H_kv, m), comparable across layers, or what its ``choose``
+        reads of the layer; None: kept whole)."""
         raise NotImplementedError(f"{type(self).__name__} chooses layer by layer (model_wide is False)")
 
-    def choose(self, scores: dict[int, torch.Tensor], n_tokens: int) -> dict[int, list[torch.Tensor]]:
-        """A model-wide method's kept positions per layer and KV head, from every layer's ``score``."""
+    def choose(self, scores: dict[int, torch.Tensor], n_tokens: int,
+               layers: dict[int, LayerState] | None = None) -> dict[int, list[torch.Tensor]]:
+        """A model-wide method's kept positions per layer and KV head, from every layer's ``score`` (``layers``: the
+        layers themselves, where ``choice_reads_layers``)."""
         raise NotImplementedError(f"{type(self).__name__} chooses layer by layer (model_wide is False)")
 
     def stage1(self, layer: LayerState) -> list[torch.Tensor] | None:

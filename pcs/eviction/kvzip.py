@@ -7,14 +7,15 @@ numbers of entries; a layer then evicts its lowest-scoring entries by its count.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .. import budget as budgets
 from ..config import ConfigError, positive_int
-from .base import Method, Reconstruction
+from .base import LayerState, Method, Reconstruction
 from .conventions import PAPER, Conventions, kvpress_ratio
+from .selection import AttentionSelection, PerturbationSelection, scored_layer
 
 
 @dataclass
@@ -25,12 +26,19 @@ class KVzip(Method):
     scope: str = "model"    # model: every layer's heads share the budget | layer: each layer's heads share its own
     chunk: int = 2048       # context tokens repeated per forward
     sinks: int = 4          # first entries always kept
+    # attention: KVzip's ranking keeps its entries | perturbation: the ranking gives each head its count, which the
+    # paper's two stages fill (stage 1 by the score, stage 2 by the score times ||v W^O_h||_1)
+    selection: AttentionSelection | PerturbationSelection = field(default_factory=AttentionSelection)
 
     model_wide = True
 
     def __post_init__(self):
         if not positive_int(self.chunk):
             raise ConfigError(f"method.chunk={self.chunk!r}: KVzip repeats the context in chunks of at least 1 token")
+
+    @property
+    def choice_reads_layers(self) -> bool:
+        return self.selection.two_stage
 
     @property
     def reconstruction(self) -> Reconstruction:
@@ -55,11 +63,13 @@ class KVzip(Method):
             return (-scores).topk(k).indices
         return scores.sort(descending=True, stable=True).indices[scores.numel() - k:]
 
-    def choose(self, scores: dict[int, torch.Tensor], n_tokens: int) -> dict[int, list[torch.Tensor]]:
-        """Per layer of ``scores`` (its (H_kv, n) reconstruction scores), the kept positions of each head."""
+    def choose(self, scores: dict[int, torch.Tensor], n_tokens: int,
+               layers: dict[int, LayerState] | None = None) -> dict[int, list[torch.Tensor]]:
+        """Per layer of ``scores`` (its (H_kv, n) reconstruction scores), the kept positions of each head; under a
+        two-stage selection, each head's count filled by it (``layers``: what its second stage reads)."""
         if budgets.entries(self.budget, n_tokens, self.sinks) >= n_tokens:
             return {}
-        layers = sorted(scores)
+        states, layers = layers, sorted(scores)
         ranked = torch.stack([scores[l] for l in layers])                          # (L, H_kv, n)
         ranked[..., :self.sinks] = ranked.amax() + 1
         per_layer = ranked[0].numel()
@@ -74,4 +84,7 @@ class KVzip(Method):
             keep = torch.ones(per_layer, dtype=torch.bool, device=ranked.device)
             keep[self.lowest(ranked[i].flatten(), count)] = False
             kept[layer] = [row.nonzero().flatten() for row in keep.view(ranked.shape[1], n_tokens)]
+            if self.selection.two_stage:     # each head's count filled by the two stages, the sinks in stage 1
+                ws = scored_layer(ranked[i], states[layer], self.conventions, protected=self.sinks)
+                kept[layer] = self.selection.select([len(row) for row in kept[layer]], ws)
         return kept

@@ -1,7 +1,7 @@
 """Scores that rank a layer's prefix without the observation window's pooled attention: the scorers of NVIDIA
 kvpress 0.5.5, each as its press's ``score`` computes it, for a window method's ``scorer`` knob
 (``method=knorm``, or ``method=adakv method.scorer=knorm method.window=0`` for AdaKV's allocation over it):
-KNorm, KeyDiff, TOVA, Expected Attention and observed attention (H2O's).
+KNorm, KeyDiff, TOVA, Expected Attention, observed attention (H2O's), LagKV and CUR.
 
 A scorer rates every one of a layer's n entries per KV head, higher kept first; the method keeps its ``window``
 newest entries on top (kvpress pads them with the maximum score plus one) and ranks the prefix before them. What a
@@ -25,16 +25,21 @@ class Scorer:
     bounded search assumes scores of at least zero. ``score``: (layer) -> (H_kv, n) scores (None for the window's
     pooled attention, which the window methods compute themselves). ``epsilon``: it takes the method's
     ``scorer_epsilon`` (``score(layer, epsilon)``), a constant added to each attention before the value norm scales it
-    (ExpectedAttentionPress's ``epsilon``; kvpress's leaderboard runs it at 1e-2)."""
+    (ExpectedAttentionPress's ``epsilon``; kvpress's leaderboard runs it at 1e-2). ``positional``: it reads entries by
+    their place in the sequence (partitions, local windows, sinks), so a head padded at the front (decoding-time
+    compression of a pool) is scored on its own entries alone, as a batch of one scores them."""
     window: int | None
     signed: bool
     prompt: bool = False
     sinks: int = 0
     score: Callable | None = None
     epsilon: bool = False
+    positional: bool = False
 
 
 EXPECTED_SINKS, EXPECTED_FUTURE = 4, 512     # ExpectedAttentionPress's n_sink and n_future_positions (lines 56-57)
+LAGKV_SINKS, LAGKV_LAG = 4, 128               # LagKVPress's n_sink and lag_size (lagkv_press.py lines 41-42)
+CUR_SINKS, CUR_WINDOW = 4, 16                 # CURPress's num_sinks and local_window_size (cur_press.py lines 28, 32)
 # Observed attention computes a head's n x n weights at once up to this size, as the eager attention kvpress reads
 # does (the same bits); above it, blocks of queries (sums rounded otherwise).
 OBSERVED_HEAD_BYTES = 256 << 20
@@ -141,6 +146,57 @@ def observed_attention(layer, head_bytes: int = OBSERVED_HEAD_BYTES):
     return received.view(keys.shape[0], group, n).mean(dim=1)
 
 
+def lagkv(layer):
+    """LagKV (Liang et al., 2025): each entry scored against the partition after its own (kvpress 0.5.5
+    ``presses/lagkv_press.py`` lines 45-97, its defaults: 4 sinks, partitions of 128, no cross scoring). After the
+    sinks, the sequence is cut into whole partitions; in each but the last, every key and value is min-max scaled by
+    the next partition's per-feature range, the spread (unbiased std) of its scaled features softmaxed over the
+    partition, keys' and values' averaged; an entry scores its rank in its partition over 128. The sinks and the
+    last partition with the remainder score 1, above every rank. A sequence shorter than the sinks and two partitions
+    scores its sinks 1 and the rest by position (i / (n - sinks)), newest first."""
+    import torch
+    keys, values = layer.keys, layer.values
+    h, n, d = keys.shape
+    sinks, lag = LAGKV_SINKS, LAGKV_LAG
+    if n < sinks + 2 * lag:
+        scores = torch.ones(h, n, dtype=keys.dtype, device=keys.device)
+        if n > sinks:
+            scores[:, sinks:] = (torch.arange(n - sinks, device=keys.device) / (n - sinks)).to(keys.dtype)
+        return scores
+    end = sinks + (n - sinks) // lag * lag
+
+    def lag_relative(states):
+        parts = states[:, sinks:end].view(h, -1, lag, d)
+        reference, scored = parts[:, 1:], parts[:, :-1]
+        low, high = reference.min(dim=-2, keepdim=True).values, reference.max(dim=-2, keepdim=True).values
+        return ((scored - low) / (high - low)).std(dim=-1).softmax(dim=-1)
+
+    spread = (lag_relative(keys) + lag_relative(values)) / 2
+    ranks = (spread.argsort(dim=-1).argsort(dim=-1) / lag).to(keys.dtype).reshape(h, -1)
+    ones = torch.ones(h, 1, dtype=ranks.dtype, device=ranks.device)
+    return torch.cat([ones.expand(h, sinks), ranks, ones.expand(h, lag + n - end)], dim=-1)
+
+
+def cur(layer):
+    """CUR (CurDKV, Sengupta et al., 2025): approximate leverage scores of keys and values (kvpress 0.5.5
+    ``presses/cur_press.py`` lines 34-67, its defaults: no random projection, local approximation over windows of 16,
+    ``kv_product``, 4 sinks). Each entry's squared key norm and squared value norm are each divided by their sum over
+    its window of 16 (the last window zero-padded), their product divided by its sum over the head; the 4 sinks
+    score 1."""
+    import torch.nn.functional as F
+    h, n = layer.keys.shape[:2]
+    w = CUR_WINDOW
+
+    def local(squares):
+        blocks = F.pad(squares, (0, (w - n % w) % w)).reshape(h, -1, w)
+        return (blocks / blocks.sum(dim=-1, keepdim=True)).reshape(h, -1)[:, :n]
+
+    scores = local((layer.keys ** 2).sum(dim=-1)) * local((layer.values ** 2).sum(dim=-1))
+    scores /= scores.sum(dim=-1, keepdim=True)
+    scores[:, :CUR_SINKS] = 1.0
+    return scores
+
+
 SCORERS = {
     "window_attention": Scorer(window=None, signed=False),   # SnapKV's: the window's pooled attention
     "knorm": Scorer(window=None, signed=True, score=knorm),
@@ -149,4 +205,6 @@ SCORERS = {
     "expected_attention": Scorer(window=0, signed=False, prompt=True, sinks=EXPECTED_SINKS, score=expected_attention,
                                  epsilon=True),
     "observed_attention": Scorer(window=0, signed=False, prompt=True, score=observed_attention),
+    "lagkv": Scorer(window=None, signed=False, sinks=LAGKV_SINKS, score=lagkv, positional=True),
+    "cur": Scorer(window=None, signed=False, sinks=CUR_SINKS, score=cur, positional=True),
 }

@@ -37,6 +37,17 @@ class WindowScores:
     work: Stage2Work | None = None      # the prompt's stage-2 tally (None: this layer's alone)
 
 
+def scored_layer(scores: torch.Tensor, layer, conventions: Conventions, window: int = 0, protected: int = 0,
+                 shared: SharedScores | None = None) -> WindowScores:
+    """A layer's (H_kv, m) prefix scores from a scorer (not the window's attention), each standing for all of its KV
+    head's query heads: a two-stage selection ranks stage 1 by them and stage 2 by them times the entries'
+    ``||v W^O_h||_1``, as kvpress's CriticalKVPress does over any press. ``layer``: the ``LayerState`` they score."""
+    m = scores.shape[1]
+    return WindowScores(scores, scores, scores, layer.values[:, :m], layer.o_proj_weight, window=window,
+                        protected=protected, conventions=conventions, shared=shared, search=layer.search,
+                        work=layer.work)
+
+
 @dataclass
 class AttentionSelection:
     two_stage = False

@@ -1,7 +1,8 @@
 """SnapKV-style eviction, shared by SnapKV, PyramidKV and AdaKV: the observation window scores the
 prefix, an allocation gives each KV head its budget, the selection picks the entries (Alg. 2). ``scorer``
 replaces the window's pooled attention by another score of the prefix (``pcs.eviction.scorers``: kvpress's
-KNorm, KeyDiff, TOVA, Expected Attention, observed attention), under the same allocations and selections.
+KNorm, KeyDiff, TOVA, Expected Attention, observed attention, LagKV, CUR), under the same allocations and
+selections.
 
 The selection rule (attention or perturbation) is orthogonal to the allocation (uniform, pyramid,
 adaptive): a method here only says how a layer's budget is split, in ``prefix_budgets``. The last
@@ -10,6 +11,7 @@ left whole.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +21,7 @@ from .base import LayerState, Method
 from .conventions import PAPER, Conventions
 from .scorers import SCORERS
 from .scores import group_mean, pool_scores, window_attention
-from .selection import AttentionSelection, PerturbationSelection, WindowScores
+from .selection import AttentionSelection, PerturbationSelection, WindowScores, scored_layer
 
 
 @dataclass
@@ -87,11 +89,10 @@ class WindowEviction(Method):
             score, name = (lambda layer: scorer.score(layer, self.scorer_epsilon)), f"{self.scorer}+{self.scorer_epsilon}"
         else:
             score, name = scorer.score, self.scorer
+        if scorer.positional and layer.pad is not None:
+            score = each_head_unpadded(score)
         scores = (score(layer) if shared is None else shared.scorer(name, lambda: score(layer)))
-        scores = scores[:, :m].float()                                                 # (H_kv, m)
-        return WindowScores(scores, scores, scores, layer.values[:, :m], layer.o_proj_weight,
-                            window=self.window, protected=self.protected(), conventions=self.conventions,
-                            shared=shared, search=layer.search, work=layer.work)
+        return scored_layer(scores[:, :m].float(), layer, self.conventions, self.window, self.protected(), shared)
 
     def attended(self, layer: LayerState, m: int, valid, shared) -> WindowScores:
         """The prefix ranked by the observation window's pooled attention (Alg. 2 lines 3-5), per the profile's
@@ -133,3 +134,16 @@ class WindowEviction(Method):
         if planned is None or not self.two_stage:
             return None
         return self.selection.stage1(planned[1], planned[0])
+
+
+def each_head_unpadded(score):
+    """A positional scorer (``Scorer.positional``) over heads padded at the front: each head scored on its own
+    entries alone, as a batch of one scores them, its padding at minus infinity."""
+    def scored(layer: LayerState) -> torch.Tensor:
+        rows = []
+        for h, pad in enumerate(layer.pad.tolist()):
+            alone = dataclasses.replace(layer, keys=layer.keys[h:h + 1, pad:], values=layer.values[h:h + 1, pad:],
+                                        pad=None, shared=None)
+            rows.append(torch.nn.functional.pad(score(alone)[0].float(), (pad, 0), value=float("-inf")))
+        return torch.stack(rows)
+    return scored
