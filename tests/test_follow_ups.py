@@ -29,7 +29,7 @@ def ruler(tmp_path, *extra, tasks=TASKS):
 
 def needles(text: str) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
-    for key, value in re.findall(r"One of the special magic \w+ for (\S+) is: (\S+)\.", text):
+    for key, value in re.findall(r"One of the special magic \w+ for (.+?) is: (\S+)\.", text):
         found.setdefault(key, []).append(value)
     return found
 
@@ -47,7 +47,7 @@ def test_follow_ups_ask_for_other_needles_of_the_context(embedded_dir, tmp_path)
     assert len(samples) == 9
     for s in samples:
         held, asked = needles(s.prompt), asked_keys(s)
-        keys = [re.search(r"for (\S+) mentioned", up.question).group(1) for up in s.follow_ups]
+        keys = [re.search(r"for (.+?) mentioned", up.question).group(1) for up in s.follow_ups]
         assert len(s.follow_ups) == 3 and len(set(keys)) == 3 and not set(keys) & asked
         for key, up in zip(keys, s.follow_ups):
             assert up.meta["outputs"] == held[key]            # every value of the key's needles, in order
@@ -207,3 +207,8 @@ def test_facts_are_the_needles_of_keys_the_question_does_not_ask():
     assert niah_facts(context, asked) == {"blue-owl": ["2", "4"]}
     one = "What is the special magic number for blue-owl mentioned in the provided text?"
     assert niah_facts(context, one) == {"red-fox": ["1"], "old-elm": ["3"], "tan-cat": ["5"]}
+    # a key of two words (RULER's list has "contact lens"), asked or not
+    spaced = context + " " + needle.format("judicious-contact lens", 6)
+    assert niah_facts(spaced, one)["judicious-contact lens"] == ["6"]
+    asked = "What is the special magic number for judicious-contact lens mentioned in the provided text?"
+    assert "judicious-contact lens" not in niah_facts(spaced, asked) and len(niah_facts(spaced, asked)) == 4

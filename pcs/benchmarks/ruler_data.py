@@ -574,11 +574,12 @@ FOLLOW_UP_SEED = "follow_up"   # the keys follow-ups ask are drawn apart from RU
 
 def niah_facts(context: str, question: str) -> dict[str, list[str]]:
     """The needles of a niah prompt's ``context``, key -> its values in the order they appear, but for the keys
-    ``question`` asks (RULER joins them as ``a, b, and c``)."""
+    ``question`` asks (RULER joins them as ``a, b, and c``). A key may hold a space: RULER's word list has
+    compound words ("contact lens")."""
     asked = re.search(r" for (.+?) mentioned in the provided text\?", question).group(1)
     asked_keys = set(re.split(r",\s*(?:and\s+)?|\s+and\s+", asked))
     facts: dict[str, list[str]] = {}
-    for key, value in re.findall(r"One of the special magic \w+ for (\S+) is: (\S+?)\.(?=\s|$)", context):
+    for key, value in re.findall(r"One of the special magic \w+ for (.+?) is: (\S+?)\.(?=\s|$)", context):
         facts.setdefault(key, []).append(value)
     return {key: values for key, values in facts.items() if key not in asked_keys}
 
