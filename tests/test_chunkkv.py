@@ -12,6 +12,9 @@ from pcs.errors import ConfigError
 from pcs.eviction import build_method, scorers
 from pcs.eviction.base import LayerState
 from pcs.eviction.conventions import kvpress_ratio
+from pcs.generate import greedy_generate, greedy_generate_each
+
+from conftest import tiny_model
 
 
 def layer(seed, n=203, h_kv=2, h_q=6, d=8, w=64):
@@ -99,3 +102,29 @@ def test_a_prompt_shorter_than_a_chunk_is_cut_as_the_scorers_own_method_cuts_it(
 def test_a_chunkkv_config_without_meaning_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(compose(["method=chunkkv", "budget=128", *overrides]))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("question", [False, True])
+def test_new_baselines_in_a_shared_prefill_answer_as_in_their_own(arch, question):
+    """ChunkKV, CAKE, LagKV and CUR (each selection where it takes one), prefilled once with the full cache, the
+    question inside the prompt or fed after compression: each answers, token for token and byte for byte, as its own
+    prefill does (batch 1), on a model of full-attention layers and on a hybrid of sliding-window ones."""
+    model = tiny_model(arch)
+    torch.manual_seed(5)
+    ids = torch.randint(0, 256, (1, 64))
+    asked = torch.randint(0, 256, (1, 6)) if question else None
+    overrides = [["method=chunkkv", "budget=24", "method.window=8", "method.chunk=6"],
+                 ["method=chunkkv", "budget=0.5", "method.window=0", "method.scorer=knorm", "method.chunk=5"],
+                 ["method=cake", "budget=24", "method.window=8", "selection=attention"],
+                 ["method=cake", "budget=24", "method.window=8", "selection=perturbation"],
+                 ["method=lagkv", "budget=24", "selection=perturbation"],
+                 ["method=cur", "budget=0.5", "selection=attention"],
+                 ["method=full"]]
+    methods = [build_method(compose(o)) for o in overrides]
+    shared = greedy_generate_each(model, ids, methods, 8, set(), question_ids=asked)
+    for o, method, got in zip(overrides, methods, shared):
+        alone = greedy_generate(model, ids, method, 8, set(), question_ids=asked)
+        assert got.token_ids == alone.token_ids, o
+        assert got.kv_cache_bytes == alone.kv_cache_bytes, o
+    assert all(got.kv_cache_bytes < shared[-1].kv_cache_bytes for got in shared[:-1])

@@ -56,6 +56,20 @@ def results(tmp_path):
     return root
 
 
+def test_a_run_far_behind_stays_out_until_it_has_half_the_answers(results):
+    """A method added to a sweep late: with 9 answers against the most-answered run's 23 it would shrink every row
+    to 9 samples, so it is left out; with 12 (at least half) it enters and the rows hold the 12 all share."""
+    late = write_answers(results, ["method=knorm", "selection=attention", "budget=256"],
+                         {"niah_single_1": range(10), "niah_single_2": range(10)})
+    rows = (late / "predictions.jsonl").read_text().splitlines()
+    (late / "predictions.jsonl").write_text("\n".join(rows[:9]) + "\n")
+    board = leaderboard(["leaderboard", "benchmark.n_samples=10"], results, resamples=200)
+    assert "knorm" not in set(board["method"]) and set(board["n"]) == {20}
+    (late / "predictions.jsonl").write_text("\n".join(rows[:12]) + "\n")
+    board = leaderboard(["leaderboard", "benchmark.n_samples=10"], results, resamples=200)
+    assert "knorm" in set(board["method"]) and set(board["n"]) == {12}
+
+
 def test_rows_are_worked_out_on_the_samples_every_run_answered(results, tmp_path):
     bench = tmp_path / "bench.jsonl"
     bench.write_text("".join(json.dumps(r) + "\n" for r in [

@@ -268,7 +268,8 @@ def build_leaderboard(results: Path, experiments: list[str], bench: list[Path], 
              "minus attention-only selection for the same method and budget on the same samples [95 % paired "
              f"interval], * where it excludes zero (each interval on its own; {resamples} resamples, seed {seed}). "
              "Methods without a selection (their own rule) show `none`. Runs in progress enter with the samples "
-             "every run of the experiment has answered. A table of follow-ups scores the follow-ups (their mean per "
+             "every run of the experiment has answered; a run with fewer than half the answers of the experiment's "
+             "most-answered run stays out until it catches up (`python -m pcs.status` shows it). A table of follow-ups scores the follow-ups (their mean per "
              "sample) and adds the first question's score on the same caches and the follow-ups minus it [95 % "
              "paired]. A table of shares of the prompt is also given by compression ratio, as kvpress's "
              "leaderboard gives it.", ""]

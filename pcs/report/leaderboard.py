@@ -109,6 +109,11 @@ def leaderboard(experiments: list[str], results: Path, bench: list[Path] = (), r
         if not runs:
             continue
         frames = {path: answered(path) for path in runs}
+        most = max(len(f) for f in frames.values())
+        # a run started long after the others (a method added to the sweep) would shrink every row to its few
+        # samples: it stays out until it has half of the most-answered run's (pcs.status shows its progress)
+        runs = {path: identity for path, identity in runs.items() if 2 * len(frames[path]) >= most}
+        frames = {path: frames[path] for path in runs}
         shared = set.intersection(*(set(f["id"]) for f in frames.values()))
         frames = {path: f[f["id"].isin(shared)].reset_index(drop=True) for path, f in frames.items()}
         for path, identity in runs.items():
