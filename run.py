@@ -32,7 +32,7 @@ def main(cfg: DictConfig) -> None:
             check_named_selection(cfg, list(hydra_cfg.overrides.task))
         benchmark = checked_benchmark(cfg)   # before torch and transformers load: a user's error is reported at once
         identity = RunIdentity(cfg)
-        RunFolder(Path(cfg.results_dir) / identity.folder).check(identity.saved_config)
+        RunFolder(Path(cfg.results_dir) / identity.folder, identity=identity).check()
         from pcs.runner import run
         run(cfg, benchmark)
     except ConfigError as err:

@@ -3,34 +3,17 @@
 (``pcs.engine``). ``greedy_generate`` is the same path for one prompt and one method."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
 
 from .benchmarks.base import Sample
+from .cell import RunCell
 from .engine import Arrival, Cell, DecodePool, Generation, decode
 from .options import EngineOptions
 from .eviction.base import Method
+from .models import Loaded
 from .prompts import PromptIds, RepeatPrompt, repeat_prompt
-
-
-@dataclass
-class RunContext:
-    """The loaded pieces a run's per-sample step works with, built once by the runner (model and
-    tokenizer shared by every cell of a group)."""
-    model: object
-    tokenizer: object
-    methods: dict                   # variant key -> Method (one for a generation benchmark)
-    stop_token_ids: set[int]
-    cfg: object                     # the run's whole config
-    benchmark: object               # the run's benchmark: when its answers are decided (engine.stop_when_scored)
-
-    @property
-    def method(self) -> Method:
-        """A generation benchmark's one method."""
-        (method,) = self.methods.values()
-        return method
 
 
 def greedy_generate_each(model, input_ids: torch.Tensor, methods: list[Method], max_new_tokens: int,
@@ -57,10 +40,10 @@ def greedy_generate(model, input_ids: torch.Tensor, method: Method, max_new_toke
                                 min_new_tokens, [trigger], options=options, repeat=repeat)[0]
 
 
-Request = tuple[Sample, PromptIds, list[RunContext]]   # a sample, its encoded prompt, the cells still to answer it
+Request = tuple[Sample, PromptIds, list[RunCell]]   # a sample, its encoded prompt, the cells still to answer it
 
 
-def settled_test(cell: RunContext, sample: Sample, question: int = 0):
+def settled_test(cell: RunCell, sample: Sample, tokenizer, question: int = 0):
     """With ``engine.stop_when_scored``, the test that ends the cell's answer to ``question`` (0: the sample's own,
     j: its j-th follow-up) once its benchmark's score of it is decided (``Benchmark.settled``), on the tokens
     decoded as the prediction is; otherwise None."""
@@ -69,23 +52,23 @@ def settled_test(cell: RunContext, sample: Sample, question: int = 0):
     test = cell.benchmark.settled(sample, question)
     if test is None:
         return None
-    return lambda ids: test(cell.tokenizer.decode(ids, skip_special_tokens=True))
+    return lambda ids: test(tokenizer.decode(ids, skip_special_tokens=True))
 
 
-def generate_rows(requests: Iterable[Request], pool: DecodePool) -> Iterator[tuple[Sample, int, dict]]:
+def generate_rows(requests: Iterable[Request], pool: DecodePool, loaded: Loaded) -> Iterator[tuple[Sample, int, dict]]:
     """Greedy answers to every request's cells, each yielded as ``(sample, index of the cell in its request,
     row fields)`` once the cell has answered the sample's question and each follow-up: the prediction, sizes
     and timings (``prefill_s`` is the shared prefill's plus the cell's question; ``decode_s`` the answer's time
     in the pool), and per follow-up (``follow_ups``, in order, each with the sample's references of it) its own."""
     def arrivals():
         for sample, prompt, cells in requests:
-            model, tokenizer = cells[0].model, cells[0].tokenizer
-            stops = cells[0].stop_token_ids | {tokenizer.encode(t, add_special_tokens=False)[-1]
+            model, tokenizer = loaded.model, loaded.tokenizer
+            stops = loaded.stops | {tokenizer.encode(t, add_special_tokens=False)[-1]
                                                for t in sample.stop_texts}
             question = None if prompt.question is None else torch.tensor([prompt.question])
             asked = range(1 + len(prompt.follow_ups))
             yield Arrival(model, torch.tensor([prompt.context]),
-                          [Cell(c.method, c.cfg.compress.trigger, tuple(settled_test(c, sample, j) for j in asked))
+                          [Cell(c.method, c.cfg.compress.trigger, tuple(settled_test(c, sample, tokenizer, j) for j in asked))
                            for c in cells],
                           sample.max_new_tokens, stops, question, sample.min_new_tokens,
                           owners=[(sample, prompt, tokenizer, i, j) for i in range(len(cells)) for j in asked],

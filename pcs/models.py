@@ -10,6 +10,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from .cache import ATTN_IMPLEMENTATION, register_attention
 from .hybrid import attention_windows
 from .paths import default_cache_dir, package_dir
+from .weights import fingerprint
 
 
 def converted_gguf(gguf, cache_dir: str | None) -> Path:
@@ -99,6 +101,23 @@ def load_model(model_cfg):
     device_map = model_cfg.get("device_map") or str(pick_device(model_cfg.get("device")))
     model = AutoModelForCausalLM.from_pretrained(location, dtype=getattr(torch, model_cfg.dtype), device_map=device_map)
     return prepare(model), tokenizer
+
+
+@dataclass
+class Loaded:
+    """A model as every cell of a group uses it: the model, its tokenizer, its end-of-turn ids (``stop_token_ids``)
+    and the fingerprint of its weights (``pcs.weights``: which weights answered a run)."""
+    model: object
+    tokenizer: object
+    stops: set[int]
+    weights: dict
+
+
+def load(model_cfg) -> Loaded:
+    """``load_model`` with what a run records and stops at besides."""
+    model, tokenizer = load_model(model_cfg)
+    return Loaded(model, tokenizer, stop_token_ids(model, tokenizer, model_cfg.stop_tokens),
+                  fingerprint(weights_location(model_cfg)))
 
 
 def stop_token_ids(model, tokenizer, extra_tokens=()) -> set[int]:

@@ -27,7 +27,8 @@ from .compression import LayerChoices, after_prefill, attention_modules, hooked,
 from .eviction.base import Kept, LayerState, Method, window_positions
 from .engine.prefill import full_kv_bytes
 from .options import EngineOptions
-from .generate import RunContext
+from .cell import RunCell
+from .models import Loaded
 from .prompts import PromptIds, RepeatPrompt, repeat_prompt
 from .reconstruction import reconstructor
 
@@ -193,30 +194,30 @@ def measure(model, prefill: Prefill, headwise_keys: list, layerwise_keys: list) 
                        next_tokens, int(full_logits.argmax()), kv_bytes, torch.stack(mass), torch.stack(mass_prefix))
 
 
-def perturbation_row(sample: Sample, prompt: PromptIds, ctx: RunContext) -> dict:
-    """One context's measurements for every variant (``ctx.methods``: (label, budget) -> method): head-wise
+def perturbation_row(sample: Sample, prompt: PromptIds, cell: RunCell, loaded: Loaded) -> dict:
+    """One context's measurements for every variant (``cell.methods``: (label, budget) -> method): head-wise
     and the next token at the run's budget, layer-wise at every budget, Assumption 1 for the first
     two-stage variant at the run's budget."""
-    main = ctx.cfg.budget
-    labels = list(dict.fromkeys(label for label, _ in ctx.methods))
-    budgets = sorted({budget for _, budget in ctx.methods})
-    two_stage = next((m for (label, b), m in ctx.methods.items() if b == main and m.two_stage), None)
+    main = cell.cfg.budget
+    labels = list(dict.fromkeys(label for label, _ in cell.methods))
+    budgets = sorted({budget for _, budget in cell.methods})
+    two_stage = next((m for (label, b), m in cell.methods.items() if b == main and m.two_stage), None)
     ids = torch.tensor([prompt.context])
     start = time.perf_counter()
-    repeat = (repeat_prompt(ctx.tokenizer, ctx.cfg.model, sample.chat)
-              if any(m.reconstruction for m in ctx.methods.values()) else None)
-    prefill = run_prefill(ctx.model, ids, ctx.methods, two_stage, EngineOptions.from_config(ctx.cfg.get("engine")),
+    repeat = (repeat_prompt(loaded.tokenizer, cell.cfg.model, sample.chat)
+              if any(m.reconstruction for m in cell.methods.values()) else None)
+    prefill = run_prefill(loaded.model, ids, cell.methods, two_stage, EngineOptions.from_config(cell.cfg.get("engine")),
                           repeat)
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
-    result = measure(ctx.model, prefill, [(label, main) for label in labels], list(ctx.methods))
+    result = measure(loaded.model, prefill, [(label, main) for label in labels], list(cell.methods))
     decode_s = time.perf_counter() - start
-    decode = ctx.tokenizer.decode
+    decode = loaded.tokenizer.decode
     return {
         "prediction": decode([prefill.first_token]),
         "prompt_tokens": prefill.n_tokens, "new_tokens": 1,
         "kv_cache_bytes": result.kv_bytes[(labels[1], main)],
-        "kv_cache_bytes_full": full_kv_bytes(ctx.model.config, prefill.n_tokens, ctx.model.dtype),
+        "kv_cache_bytes_full": full_kv_bytes(loaded.model.config, prefill.n_tokens, loaded.model.dtype),
         "prefill_s": round(prefill_s, 4), "decode_s": round(decode_s, 4),
         # The first token comes from the (uncompressed) prefill; the next is the first the cache can change.
         "next_token_full": decode([result.next_token_full]),

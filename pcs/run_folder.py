@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .config import upgraded
 from .errors import ConfigError
-from .identity import without_locations
+from .identity import RunIdentity, without_locations
 from .paths import jsonl_lines, write_atomic
 
 
@@ -188,7 +188,7 @@ def all_rows(run_dir: Path) -> list[dict]:
 
 
 # The benchmark knobs that only choose which samples a run holds: a run that differs from another only in these
-# can take that run's answers to the samples both build alike (pcs.runner.grow).
+# can take that run's answers to the samples both build alike (``RunFolder.adopt``).
 SAMPLE_CHOICE = ("n_samples", "tasks")
 
 
@@ -222,12 +222,14 @@ def left_alone(run_dir: Path):
         yield all(held.enter_context(exclusive(folder)) for folder in folders)
 
 
-# A run grown from another's answers (pcs.runner.grow) names it here: {"run": folder name, "rows": count}.
+# A run grown from another's answers (``RunFolder.adopt``) names it here: {"run": folder name, "rows": count}.
 ANSWERS_FROM = "answers_from.json"
+# A row's key for the fingerprint of the sample it answers (``pcs.benchmarks.base.Sample.fingerprint``).
+SAMPLE = "sample"
 
 
 def answers_taken(run_dir: Path) -> dict | None:
-    """The run a grown run took answers from and how many (``pcs.runner.grow``), summed over its shards."""
+    """The run a grown run took answers from and how many (``RunFolder.adopt``), summed over its shards."""
     notes = [json.loads(path.read_text()) for path in [Path(run_dir) / ANSWERS_FROM,
                                                        *sorted((Path(run_dir) / SHARDS).glob(f"*/{ANSWERS_FROM}"))]
              if path.exists()]
@@ -301,12 +303,15 @@ def working(out_dir: Path):
 class RunFolder:
     """One run's folder as a job sees it, and every read and write the job makes there: its config (created or
     checked), the lock that keeps a second job out of the part this job writes (the run's folder, or its shard's),
-    the markers ``pcs.status`` reads, answers taken from a run beside it, resuming, each finished row streamed to
-    disk as it lands, the merge of every shard's rows once all samples are answered, and the predictions and
-    metrics written last. ``shard=(index, count)``: the part of the samples this job answers."""
+    the markers ``pcs.status`` reads, answers adopted from a run beside it, resuming, each finished row streamed to
+    disk as it lands, the merge of every shard's rows under the run's lock once all samples are answered, and the
+    predictions and metrics written last. It calls nothing above it: what it writes is handed to it.
+    ``identity``: the run's ``RunIdentity`` (its config.yaml, and what a run beside it must equal but for its
+    samples to give its answers). ``shard=(index, count)``: the part of the samples this job answers."""
 
-    def __init__(self, path: Path, shard: tuple[int, int] = (0, 1)):
+    def __init__(self, path: Path, shard: tuple[int, int] = (0, 1), identity: RunIdentity | None = None):
         self.path = Path(path)
+        self.identity = identity
         self.index, self.count = shard
         self.out_dir = self.path if self.count == 1 else shard_dir(self.path, self.index, self.count)
         self.rows: list[dict] = []     # every finished row of the run: this job's and any other's
@@ -320,19 +325,19 @@ class RunFolder:
     def metrics(self) -> dict:
         return json.loads((self.path / "metrics.json").read_text())
 
-    def check(self, saved_config: str) -> None:
+    def check(self) -> None:
         """What a job would find here, checked before anything loads or is written: the folder can be created
         (``can_create``), holds this run (``same_run``) and its rows read (``CorruptRows``). A finished run is not resumed: nothing to check."""
         if not self.path.exists():
             can_create(self.path)
         if self.finished:
             return
-        same_run(self.path, saved_config)
+        same_run(self.path, self.identity.saved_config)
         all_rows(self.path)
 
-    def create(self, saved_config: str) -> None:
+    def create(self) -> None:
         """The folder with its config, or a check that it holds this run (``prepare``)."""
-        prepare(self.path, saved_config)
+        prepare(self.path, self.identity.saved_config)
 
     @contextmanager
     def claimed(self):
@@ -345,19 +350,52 @@ class RunFolder:
     def working(self):
         return working(self.out_dir)
 
-    def note_samples(self, n_samples: int) -> None:
-        note_samples(self.path, n_samples)
-
     def note_weights(self, weights: dict) -> None:
         """The weights this job loaded, refused where the run's rows came from others (``OtherWeights``), then
         recorded in this job's folder."""
         refuse_other_weights(self.path, weights)
         write_json_atomic(self.out_dir / WEIGHTS, weights)
 
-    def take_answers(self, rows: list[dict], source: Path) -> None:
-        """Rows answered by the run at ``source`` (the same run on other samples), as this job's own."""
-        write_rows_atomic(self.out_dir / "predictions.jsonl", rows)
-        write_json_atomic(self.out_dir / ANSWERS_FROM, {"run": Path(source).name, "rows": len(rows)})
+    @contextmanager
+    def answering(self, n_samples: int, weights: dict, asked: dict[str, str], own: set[Path] = frozenset()):
+        """This job's predictions file open for new rows (``append``), after the run's sample count and the job's
+        weights are noted and, where the run has none of ``asked`` (this job's samples: id -> fingerprint)
+        answered yet, a run beside it has given its answers to them (``adopt``); every row the run holds (its own
+        and its shards') is read into ``rows`` and ``done``."""
+        note_samples(self.path, n_samples)
+        self.note_weights(weights)
+        self.adopt(asked, weights, own)
+        with self.appending(n_samples):
+            yield self
+
+    def adopt(self, asked: dict[str, str], weights: dict, own: set[Path] = frozenset()) -> None:
+        """A new run that is a run beside it but for which samples it holds (``benchmark.n_samples``,
+        ``benchmark.tasks``) starts from that run's answers to
+        the samples both hold, so that more samples, or a narrower set of tasks, cost only the samples not answered
+        yet. A sample counts as the same only where the row stored the fingerprint of the sample it answered and
+        it equals the one asked (``asked``: id -> ``Sample.fingerprint``), every field alike (prompt, question,
+        references), since a generator may draw another count's samples differently; a row without one is not
+        taken. The other run may be finished or stopped part way, not worked in by a job (its rows would not be
+        settled), nor one of this job's own runs (``own``, whose locks this process holds), nor answered by other
+        weights than this job's (``weights``). A shard takes the answers to its own share, into its own file,
+        while none of its share is answered."""
+        if any(row["id"] in asked for row in all_rows(self.path)):
+            return
+        for other in same_but_for_the_samples(self.path, self.identity.saved_data()):
+            if other in own or set(weights_used(other)) - {weights.get("id")}:
+                continue
+            with left_alone(other) as idle:
+                if not (idle or is_finished(other)):
+                    continue
+                rows = [row for row in all_rows(other) if row.get(SAMPLE) and asked.get(row["id"]) == row[SAMPLE]]
+            if rows:
+                write_rows_atomic(self.out_dir / "predictions.jsonl", rows)
+                write_json_atomic(self.out_dir / ANSWERS_FROM, {"run": other.name, "rows": len(rows)})
+                choice = sample_choice(OmegaConf.to_container(saved_config(other), resolve=True))
+                knobs = " ".join(f"{k}={v}" for k, v in choice.items())
+                print(f"[pcs] {self.out_dir}: {len(rows)} of {len(asked)} samples answered by {other.name} (the same "
+                      f"run on {knobs}); the rest is new")
+                return
 
     @contextmanager
     def appending(self, n_samples: int):
@@ -389,17 +427,21 @@ class RunFolder:
         self._out.flush()
         self.rows.append(row)
 
-    def merge(self, sample_ids: set[str], summarize, own: set[str] = frozenset()) -> dict | None:
-        """The run's metrics if every sample of it is done (its shards' rows included): ``summarize(self)``, which
-        writes them (``finish``), else None; ``LostRows`` where an answer of ``own`` (this job's samples) is not on
-        disk, which a rerun answers again. With shards each finishing job waits for the run-level lock and reads
-        the rows again under it, so whichever sees them all writes the metrics: a shard that found the lock taken
-        and left could leave a finished run unmerged (the holder read before its last row landed)."""
+    @contextmanager
+    def merge(self, sample_ids: set[str], own: set[str] = frozenset()):
+        """Yields every row of the run once all its samples are answered (its shards' included), for the caller to
+        compute the metrics and ``finish`` the run while it is held; None
+        where the run is finished already or samples are missing (other shards' to answer). ``LostRows`` where an
+        answer of ``own`` (this job's samples) is not on disk, which a rerun answers again. With shards each
+        finishing job waits for the run-level lock and reads the rows again under it, so whichever sees them all
+        writes the metrics: a shard that found the lock taken and left could leave a finished run unmerged (the
+        holder read before its last row landed)."""
         with ExitStack() as held:
             if self.count > 1:
                 held.enter_context(exclusive(self.path, wait=True))
             if self.finished:
-                return self.metrics()
+                yield None
+                return
             self.rows = all_rows(self.path)
             if len(used := weights_used(self.path)) > 1:
                 from .weights import described
@@ -414,14 +456,26 @@ class RunFolder:
             if missing:
                 print(f"[pcs] shard {self.index} of {self.count} of {self.path} is done; "
                       f"{len(sample_ids) - len(missing)} of {len(sample_ids)} samples are, the rest is other shards'")
-                return None
-            return summarize(self)
+                yield None
+                return
+            yield self.rows
 
-    def write_predictions(self, rows: list[dict]) -> None:
-        """The run's rows, every shard's, in sample order, in its own predictions.jsonl."""
+    def finish(self, rows: list[dict], metrics: dict) -> dict:
+        """The run's rows (every shard's, in sample order) in its own predictions.jsonl, then metrics.json, written
+        last and atomically: its presence is what says the run is finished. The metrics name the run answers were
+        adopted from (``adopt``); they are returned as written, and summed up on the console."""
         self.rows = rows
         write_rows_atomic(self.path / "predictions.jsonl", rows)
-
-    def write_metrics(self, metrics: dict) -> None:
-        """metrics.json, written last and atomically: its presence is what says the run is finished."""
+        if taken := answers_taken(self.path):
+            metrics["answers_from"] = taken
         write_json_atomic(self.path / "metrics.json", metrics)
+        kept, full = metrics["kv_cache_bytes"], metrics["kv_cache_bytes_full"]
+        print(f"\n[pcs] {self.path}\n"
+              f"  score      {score_text(metrics['score'])}  ({metrics['n_samples']} samples)\n"
+              f"  KV memory  {kept / 2**20:.1f} MiB kept of {full / 2**20:.1f} MiB full ({100 * kept / full:.1f} %)\n"
+              f"  time       {metrics['wall_time_s']:.1f} s")
+        return metrics
+
+
+def score_text(score) -> str:
+    return "not scored yet" if score is None else f"{score:.2f}"

@@ -81,7 +81,7 @@ def check(cfg: DictConfig) -> None:
     from .run_folder import RunFolder
     checked_benchmark(cfg, validated=True)
     identity = RunIdentity(cfg)
-    RunFolder(Path(cfg.results_dir) / identity.folder).check(identity.saved_config)
+    RunFolder(Path(cfg.results_dir) / identity.folder, identity=identity).check()
 
 
 def left_unfinished(cfg: DictConfig) -> str | None:

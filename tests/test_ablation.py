@@ -160,7 +160,7 @@ def test_the_gemma_ablation_runs_every_reading_and_the_full_cache_on_one_prefill
 def test_the_gemma_ablations_take_the_answers_of_their_two_task_runs(experiment):
     """Each run of the one-task Gemma ablation is its earlier two-task run (tasks niah_single_2 and niah_multikey_1,
     250 samples per task and length, committed part way) in everything but which samples it holds, so it starts
-    from that run's answers to niah_single_2 (pcs.runner.grow)."""
+    from that run's answers to niah_single_2 (pcs.run_folder.RunFolder.adopt)."""
     from pcs.run_folder import but_for_the_samples
     from test_sweeps import hydra_cfg
     params = hydra_cfg(f"experiment={experiment}").hydra.sweeper.params
@@ -177,7 +177,7 @@ def test_the_gemma_ablations_take_the_answers_of_their_two_task_runs(experiment)
                                            "ruler_ablation_gemma_question_after")])
 def test_a_gemma_rerun_runs_cells_of_its_ablation_on_other_samples(rerun, base):
     """The Gemma reruns: some of their ablation's readings and the full cache, each the same run in everything but
-    the samples (RULER's generator seeded 43: other haystacks, never the ablation's answers, pcs.runner.grow),
+    the samples (RULER's generator seeded 43: other haystacks, never the ablation's answers, pcs.run_folder.RunFolder.adopt),
     each sample prefilled once for all."""
     from pcs.run_folder import but_for_the_samples
     from pcs.sweep import plan
@@ -438,7 +438,7 @@ def test_holms_correction_rejects_step_down_and_stops_at_the_first_it_keeps():
                                              ("ruler_ablation_question_after_grown", "ruler_ablation_question_after")])
 def test_a_grown_ablation_is_its_ablations_runs_on_more_samples(grown, ablation):
     """Each run of a grown experiment is a run of the ablation in everything but benchmark.n_samples, and has at
-    least as many samples of every task: it starts from that run's answers (pcs.runner.grow)."""
+    least as many samples of every task: it starts from that run's answers (pcs.run_folder.RunFolder.adopt)."""
     from pcs.run_folder import but_for_the_samples
     from test_sweeps import hydra_cfg
     params = hydra_cfg(f"experiment={grown}").hydra.sweeper.params

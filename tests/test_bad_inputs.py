@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from hydra.core.global_hydra import GlobalHydra
 
+import pcs.models
 import pcs.runner
 from pcs.config import allowed_types, group_file, is_declaration, options
 
@@ -143,7 +144,7 @@ def tree(folder: Path) -> dict:
 
 def refused(argv: list[str], tmp_path: Path, results: Path, monkeypatch, capsys) -> tuple[int, str]:
     """``python run.py argv``'s exit status and standard error, in this process, with no model allowed to load."""
-    monkeypatch.setattr(pcs.runner, "load_model", lambda *a: pytest.fail(f"{argv}: the model loaded"))
+    monkeypatch.setattr(pcs.models, "load_model", lambda *a: pytest.fail(f"{argv}: the model loaded"))
     # Hydra's logging left as pytest set it: configuring it (logging.config.dictConfig) closes every handler,
     # pytest's own log file among them, and the next test's capture fails on the closed file.
     monkeypatch.setattr(sys, "argv", ["run.py", *argv, f"results_dir={results}", f"hydra.sweep.dir={tmp_path}/sweep",

@@ -5,6 +5,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
+import pcs.models
 import pcs.runner
 from pcs.identity import RunIdentity
 from pcs.benchmarks.base import build_benchmark
@@ -148,7 +149,7 @@ def test_metrics_give_official_task_scores_domains_and_their_mean(data_dir):
 ])
 def test_data_errors_name_file_and_line_before_the_model_loads(data_dir, tmp_path, monkeypatch, breakage, message):
     breakage(data_dir)
-    monkeypatch.setattr(pcs.runner, "load_model", lambda *a: pytest.fail("model loaded before the data check"))
+    monkeypatch.setattr(pcs.models, "load_model", lambda *a: pytest.fail("model loaded before the data check"))
     cfg = compose_cfg("benchmark=longbench", f"benchmark.data_dir={data_dir}", "benchmark.tasks=[hotpotqa,trec]",
                       f"results_dir={tmp_path / 'results'}")
     with pytest.raises(ConfigError, match=message):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import pcs.models
 import pcs.runner
 from pcs.cache import CompressedCache
 from pcs.engine import Arrival, Cell, DecodePool, DoesNotFit, decode
@@ -195,7 +196,7 @@ def test_a_run_stops_on_a_sample_that_does_not_fit_keeps_every_earlier_row_and_r
     longest = max(r["prompt_tokens"] for r in reference)
     first_long = next(i for i, r in enumerate(reference) if r["prompt_tokens"] > longest - 50)
 
-    load_model = pcs.runner.load_model
+    load_model = pcs.models.load_model
 
     def small_device(model_cfg):
         model, tokenizer = load_model(model_cfg)
@@ -204,7 +205,7 @@ def test_a_run_stops_on_a_sample_that_does_not_fit_keeps_every_earlier_row_and_r
 
     cfg = needle(tiny_model_dir, tmp_path / "small")
     run_dir = Path(cfg.results_dir) / RunIdentity(cfg).folder
-    monkeypatch.setattr(pcs.runner, "load_model", small_device)
+    monkeypatch.setattr(pcs.models, "load_model", small_device)
     with pytest.raises(SampleDoesNotFit) as err:
         run_cells([cfg])
     message = str(err.value)
@@ -219,6 +220,6 @@ def test_a_run_stops_on_a_sample_that_does_not_fit_keeps_every_earlier_row_and_r
     assert not (run_dir / "metrics.json").exists()
     assert "SampleDoesNotFit" in (run_dir / "error.txt").read_text()
 
-    monkeypatch.setattr(pcs.runner, "load_model", load_model)       # a device with room: the rerun completes it
+    monkeypatch.setattr(pcs.models, "load_model", load_model)       # a device with room: the rerun completes it
     (metrics,) = run_cells([cfg])
     assert rows(cfg) == reference and metrics["n_resumed"] == first_long

@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+import pcs.models
 import pcs.runner
 from pcs.identity import RunIdentity
 from pcs.errors import ConfigError
@@ -153,7 +154,7 @@ def test_run_writes_metrics_and_figures(tiny_model_dir, tmp_path):
     ("benchmark.haystack_dir=/no/such/essays", "/no/such/essays"),
 ])
 def test_bad_analysis_options_fail_before_the_model_loads(tmp_path, monkeypatch, override, message):
-    monkeypatch.setattr(pcs.runner, "load_model", lambda *a: pytest.fail("model loaded"))
+    monkeypatch.setattr(pcs.models, "load_model", lambda *a: pytest.fail("model loaded"))
     with pytest.raises(ConfigError, match=message):
         run(compose_cfg("benchmark=perturbation", f"results_dir={tmp_path}", override))
 

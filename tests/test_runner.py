@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import pcs.models
 import pcs.runner
 from pcs.identity import RunIdentity
 from pcs.errors import ConfigError
@@ -53,7 +54,7 @@ def test_run_writes_the_documented_folder(tiny_model_dir, tmp_path):
 def test_finished_run_is_not_redone(tiny_model_dir, tmp_path, monkeypatch):
     cfg = small_cfg(tiny_model_dir, tmp_path)
     first = run(cfg)
-    monkeypatch.setattr(pcs.runner, "load_model", lambda *a: pytest.fail("a finished run loaded the model"))
+    monkeypatch.setattr(pcs.models, "load_model", lambda *a: pytest.fail("a finished run loaded the model"))
     assert run(cfg) == first
 
 
@@ -91,7 +92,7 @@ def test_folder_with_another_config_is_refused(tiny_model_dir, tmp_path):
     ("benchmark.context_lengths=[9000]", "9000"), ("model.max_length=9000", "model.max_length=9000"),
 ])
 def test_bad_values_fail_before_the_model_loads(tmp_path, monkeypatch, override, needle):
-    monkeypatch.setattr(pcs.runner, "load_model", lambda *a: pytest.fail("model loaded before validation"))
+    monkeypatch.setattr(pcs.models, "load_model", lambda *a: pytest.fail("model loaded before validation"))
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         run(compose_cfg(f"results_dir={tmp_path}", override))
     assert not any(tmp_path.iterdir())   # nothing half-written
@@ -102,7 +103,7 @@ def test_bad_values_fail_before_the_model_loads(tmp_path, monkeypatch, override,
     ("method.pool_on=values", "method.pool_on='values'"), ("method.sinks=100", "method.sinks=100"),
 ])
 def test_bad_laprox_knobs_fail_before_the_model_loads(tmp_path, monkeypatch, override, needle):
-    monkeypatch.setattr(pcs.runner, "load_model", lambda *a: pytest.fail("model loaded before validation"))
+    monkeypatch.setattr(pcs.models, "load_model", lambda *a: pytest.fail("model loaded before validation"))
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         run(compose_cfg(f"results_dir={tmp_path}", "method=laprox", override))
 
@@ -156,7 +157,7 @@ def test_cli_reports_config_errors_before_torch_loads_in_under_two_cpu_seconds(t
 
 def test_full_cache_runs_share_one_folder_whatever_budget_or_selection(tiny_model_dir, tmp_path, monkeypatch):
     first = run(small_cfg(tiny_model_dir, tmp_path, "method=full", "budget=64", "selection=attention"))
-    monkeypatch.setattr(pcs.runner, "load_model", lambda *a: pytest.fail("the same full-cache run was redone"))
+    monkeypatch.setattr(pcs.models, "load_model", lambda *a: pytest.fail("the same full-cache run was redone"))
     assert run(small_cfg(tiny_model_dir, tmp_path / ".." / tmp_path.name, "method=full", "budget=256")) == first
 
 
@@ -278,12 +279,11 @@ def test_answers_are_not_taken_from_a_run_a_job_is_working_in(tiny_model_dir, tm
 
 
 def test_growing_a_run_takes_only_the_samples_the_other_count_builds_alike(tiny_model_dir, tmp_path, monkeypatch):
-    """Where the smaller count's benchmark builds a sample with the same id but another prompt, that sample is
-    answered anew."""
+    """Where the smaller count's benchmark built a sample with the same id but another prompt, the row stored the
+    fingerprint of that sample: it is answered anew."""
     import dataclasses
     from pcs.benchmarks.ruler import Ruler
     results = tmp_path / "results"
-    run(ruler_cfg(tiny_model_dir, tmp_path, results, "benchmark.n_samples=2"))
     built = Ruler.samples
 
     def other_second_sample(self, tokenizer):
@@ -292,5 +292,21 @@ def test_growing_a_run_takes_only_the_samples_the_other_count_builds_alike(tiny_
             samples[1] = dataclasses.replace(samples[1], prompt=samples[1].prompt + " Another prompt.")
         return samples
     monkeypatch.setattr(Ruler, "samples", other_second_sample)
+    run(ruler_cfg(tiny_model_dir, tmp_path, results, "benchmark.n_samples=2"))
     grown = run(ruler_cfg(tiny_model_dir, tmp_path, results, "benchmark.n_samples=3"))
     assert grown["n_resumed"] == 1 and grown["answers_from"]["rows"] == 1
+
+
+def test_a_row_without_its_samples_fingerprint_is_not_adopted(tiny_model_dir, tmp_path):
+    """Rows that do not say which sample they answered (no ``sample`` fingerprint) cannot be matched to the samples
+    a new run asks: the grown run answers every sample itself."""
+    from pcs.run_folder import SAMPLE
+    results = tmp_path / "results"
+    small = ruler_cfg(tiny_model_dir, tmp_path, results, "benchmark.n_samples=2")
+    run(small)
+    predictions = results / RunIdentity(small).folder / "predictions.jsonl"
+    rows = [json.loads(line) for line in predictions.read_text().splitlines()]
+    assert all(row[SAMPLE] for row in rows)
+    predictions.write_text("".join(json.dumps({k: v for k, v in row.items() if k != SAMPLE}) + "\n" for row in rows))
+    grown = run(ruler_cfg(tiny_model_dir, tmp_path, results, "benchmark.n_samples=3"))
+    assert grown["n_resumed"] == 0 and "answers_from" not in grown

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import pcs.run_folder
+import pcs.models
 import pcs.runner
 from pcs.identity import RunIdentity
 from pcs.runner import run, run_cells
@@ -72,8 +73,8 @@ def test_a_merge_lost_to_a_crash_is_done_by_the_next_job(tiny_model_dir, tmp_pat
     monkeypatch.setattr(pcs.runner, "summarize", original)
     asked = []
     step = pcs.runner.STEPS["generate"]
-    monkeypatch.setitem(pcs.runner.STEPS, "generate", lambda requests, pool: step(
-        ((s, p, asked.append(s.id) or c) for s, p, c in requests), pool))
+    monkeypatch.setitem(pcs.runner.STEPS, "generate", lambda requests, pool, loaded: step(
+        ((s, p, asked.append(s.id) or c) for s, p, c in requests), pool, loaded))
     got = run_cells(cfgs, shard=(0, 3))            # any job of the run: nothing left to answer, it merges
     assert asked == []
     for cfg, ref, metrics, expected in zip(cfgs, whole, got, want):
@@ -167,7 +168,7 @@ def test_an_unsharded_rerun_finishes_a_sharded_run_and_a_finished_run_is_left_al
     run_cells([cfg], shard=(1, 3))
     metrics = run(cfg)
     assert rows(cfg) == rows(whole[0]) and metrics["score"] == want[0]["score"] and metrics["n_resumed"] == 3
-    monkeypatch.setattr(pcs.runner, "load_model", lambda *a: pytest.fail("a finished run was worked on"))
+    monkeypatch.setattr(pcs.models, "load_model", lambda *a: pytest.fail("a finished run was worked on"))
     assert run_cells([cfg], shard=(2, 3)) == [metrics]
 
 
@@ -242,7 +243,7 @@ def test_status_tells_a_job_stopped_from_outside_from_a_failure(tiny_model_dir, 
     def preempted(model_cfg):
         raise SystemExit(-1)
 
-    monkeypatch.setattr(pcs.runner, "load_model", preempted)
+    monkeypatch.setattr(pcs.models, "load_model", preempted)
     with pytest.raises(SystemExit):
         run_cells(cfgs, shard=(1, 3))
     text = report(tmp_path)
@@ -265,6 +266,12 @@ def test_shards_writing_one_file_at_once_each_replace_it_whole(tmp_path):
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(write_many, texts))                 # raises if any write failed
     assert path.read_text() in texts and sorted(p.name for p in tmp_path.iterdir()) == ["samples.json"]
+
+
+def merged_rows(folder, samples: set[str]) -> int | None:
+    """How many rows a shard's merge hands over (None: it found samples missing)."""
+    with folder.merge(samples) as rows:
+        return None if rows is None else len(rows)
 
 
 def test_two_shards_finishing_at_once_leave_the_run_merged(tmp_path):
@@ -297,13 +304,13 @@ def test_two_shards_finishing_at_once_leave_the_run_merged(tmp_path):
             time.sleep(1.0)               # still under the lock when B finishes
             return rows
         pcs.run_folder.all_rows = slow
-        results.put(("A", RunFolder(run_dir, (0, 2)).merge(samples, lambda folder: len(folder.rows))))
+        results.put(("A", merged_rows(RunFolder(run_dir, (0, 2)), samples)))
 
     a = context.Process(target=shard_a)
     a.start()
     assert read.wait(30)
     write(1, [3])                         # B's last row lands after A read the rows
-    got_b = RunFolder(run_dir, (1, 2)).merge(samples, lambda folder: len(folder.rows))
+    got_b = merged_rows(RunFolder(run_dir, (1, 2)), samples)
     a.join(30)
     assert results.get(timeout=5) == ("A", None) and got_b == 4
 

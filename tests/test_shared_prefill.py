@@ -144,8 +144,9 @@ def test_a_group_resumes_each_run_where_it_stopped(tiny_model_dir, tmp_path, mon
     import pcs.runner
     original = pcs.runner.STEPS["generate"]
 
-    def counting(requests, pool):
-        return original(((sample, prompt, asked.append(len(cells)) or cells) for sample, prompt, cells in requests), pool)
+    def counting(requests, pool, loaded):
+        return original(((sample, prompt, asked.append(len(cells)) or cells) for sample, prompt, cells in requests),
+                        pool, loaded)
     monkeypatch.setitem(pcs.runner.STEPS, "generate", counting)
     run_cells(cells)
     assert asked == [1, 1, 2, 2]        # the first run's two missing samples shared with the second run

@@ -14,6 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import pcs.models
 import pcs.runner
 from pcs.config import validate
 from pcs.identity import RunIdentity
@@ -167,7 +168,7 @@ def test_a_folder_another_job_holds_is_left_alone(tiny_model_dir, tmp_path, monk
         "print('held', flush=True); time.sleep(60)"), str(folder / ".lock")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        monkeypatch.setattr(pcs.runner, "load_model", lambda *a: pytest.fail("a held folder was worked on"))
+        monkeypatch.setattr(pcs.models, "load_model", lambda *a: pytest.fail("a held folder was worked on"))
         assert run(cfg) is None
     finally:
         holder.kill()

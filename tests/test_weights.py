@@ -59,8 +59,8 @@ def test_a_run_is_not_resumed_with_other_weights(tiny_model_dir, copy_of, tmp_pa
     first = cfg_of(tiny_model_dir, results)
     real = pcs.runner.generate_rows
 
-    def one_answer(requests, pool):
-        for n, answer in enumerate(real(requests, pool)):
+    def one_answer(requests, pool, loaded):
+        for n, answer in enumerate(real(requests, pool, loaded)):
             yield answer
             if n == 0:
                 raise KeyboardInterrupt
@@ -86,5 +86,5 @@ def test_shards_answered_by_two_models_are_not_merged(tmp_path):
         shard = tmp_path / "run" / "shards" / f"{index}-of-2"
         shard.mkdir(parents=True)
         (shard / "weights.json").write_text(json.dumps({"id": weights, "source": f"/w/{weights[0]}"}))
-    with pytest.raises(OtherWeights, match="aaaa.*bbbb"):
-        folder.merge({"s0"}, lambda _: pytest.fail("merged"))
+    with pytest.raises(OtherWeights, match="aaaa.*bbbb"), folder.merge({"s0"}):
+        pytest.fail("merged")

@@ -9,6 +9,9 @@ the first decoding step measured on each variant's cache), which method configs 
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -46,6 +49,13 @@ class Sample:
                                     # question is inside the compressed prompt
     tail_after: bool = False        # with no question apart, the prompt's tail after the user's text (the chat
                                     # template's, the answer prefix) fed after compression (kvpress's --query_aware)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Every field as the benchmark built it, hashed: stored with each answer, so that another run finds the
+        answers to the very samples it asks (``pcs.run_folder.RunFolder.adopt``) without building this run's."""
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True, ensure_ascii=False, default=repr)
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 class Benchmark:
