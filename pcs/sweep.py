@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from .config import validate
+from .validation import validate
 from .errors import ConfigError
 from .identity import PER_CELL, RunIdentity
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from pcs.budget import entries, from_text, is_share
-from pcs.config import validate
+from pcs.validation import validate
 from pcs.errors import ConfigError
 from pcs.identity import RunIdentity
 from pcs.runner import run

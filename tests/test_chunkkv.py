@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pcs.config import compose, validate
+from pcs.config import compose
+from pcs.validation import validate
 from pcs.errors import ConfigError
 from pcs.eviction import build_method, scorers
 from pcs.eviction.base import LayerState

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from pcs.config import validate
+from pcs.validation import validate
 from pcs.identity import RunIdentity
 from pcs.eviction import build_method
 

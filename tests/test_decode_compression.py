@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from pcs.cache import CompressibleLayer
 from pcs.compression import recompress
-from pcs.config import validate
+from pcs.validation import validate
 from pcs.errors import ConfigError
 from pcs.eviction import build_method
 from pcs.eviction.base import LayerState

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pcs.config import compose, validate
+from pcs.config import compose
+from pcs.validation import validate
 from pcs.errors import ConfigError
 from pcs.eviction import build_method
 from pcs.eviction.base import LayerState

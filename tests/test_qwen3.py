@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from pcs.config import validate
+from pcs.validation import validate
 from pcs.errors import ConfigError
 from pcs.eviction import build_method
 from pcs.generate import greedy_generate

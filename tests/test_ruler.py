@@ -149,7 +149,7 @@ def test_an_answer_is_settled_once_its_score_is_100_and_no_longer_text_lowers_it
 
 
 def test_stop_when_scored_is_refused_where_a_score_can_still_change():
-    from pcs.config import validate
+    from pcs.validation import validate
     from pcs.errors import ConfigError
     validate(compose_cfg("benchmark=ruler", "engine.stop_when_scored=true"))
     for bad, match in ((("benchmark=longbench", "engine.stop_when_scored=true"), "benchmark=longbench"),

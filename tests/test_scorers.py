@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from pcs.config import compose, validate
+from pcs.config import compose
+from pcs.validation import validate
 from pcs.errors import ConfigError
 from pcs.eviction import build_method, scorers
 from pcs.eviction.base import LayerState
@@ -553,8 +554,8 @@ def test_a_scorer_config_without_meaning_is_refused_before_torch_loads(overrides
 
 
 def test_the_refusal_takes_under_two_seconds_without_torch():
-    code = ("import sys, time; t = time.time(); from pcs.config import compose, validate; from pcs.errors import "
-            "ConfigError\ntry: validate(compose(['method=knorm', 'profile.gqa=per_query_head']))\nexcept ConfigError: "
+    code = ("import sys, time; t = time.time(); from pcs.config import compose; from pcs.validation import validate; "
+            "from pcs.errors import ConfigError\ntry: validate(compose(['method=knorm', 'profile.gqa=per_query_head']))\nexcept ConfigError: "
             "print(time.time() - t, 'torch' in sys.modules)")
     start = time.time()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()

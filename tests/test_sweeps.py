@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 import pcs.models
 import pcs.runner
-from pcs.config import validate
+from pcs.validation import validate
 from pcs.identity import RunIdentity
 from pcs.run_folder import exclusive
 from pcs.runner import run

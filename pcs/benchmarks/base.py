@@ -19,7 +19,8 @@ from typing import Callable
 
 from omegaconf import DictConfig
 
-from ..config import declared, load_class, validate
+from ..config import declared, load_class
+from ..validation import validate
 from ..errors import ConfigError
 from ..prompts import PromptIds, encode_prompt, follow_up_ids
 
