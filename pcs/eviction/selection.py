@@ -4,8 +4,10 @@
 ``perturbation``: stage 1 keeps the top ``floor(alpha * B_h)`` by pooled attention; stage 2 fills the
 other ``B_h - stage1`` by the perturbation score, which bounds how far the head's output can move.
 
-This module is the definition. Stage 2 scored for every entry costs d x hidden multiply-adds per entry and query
-head; ``pcs.eviction.stage2_search`` finds the same top entries scoring only those that bounds cannot rule out.
+The paper's algorithm stands plainly in ``pcs.eviction.algorithm1``; this module is the same algorithm for every row
+of a layer at once, each profile's conventions (tie rule, stage-1 sizing) applied. Stage 2 scored for every entry
+costs d x hidden multiply-adds per entry and query head; ``pcs.eviction.stage2_search`` finds the same top entries
+scoring only those that bounds cannot rule out. ``tests/test_algorithm1.py`` holds both to the definition.
 """
 from __future__ import annotations
 
@@ -104,8 +106,7 @@ class PerturbationSelection:
         """Algorithm 1 for every KV head of a layer, each with a prefix budget ``budgets[r]``: stage 1 keeps its top
         ``stage1_size`` entries by pooled attention, stage 2 fills the rest of the budget by ``stage2_scores``
         among the entries stage 1 left; then the ``tail`` entries after the prefix that every row keeps (the
-        observation window), as ``AttentionSelection.select``. ``exhaustive`` scores every entry in stage 2 (the
-        definition); otherwise ``pcs.eviction.stage2_search`` scores only the entries that could make the cut,
+        observation window), as ``AttentionSelection.select``. ``exhaustive`` scores every entry in stage 2; otherwise ``pcs.eviction.stage2_search`` scores only the entries that could make the cut,
         keeping the same entries."""
         budgets = [min(b, ws.stage1.shape[1]) for b in budgets]
         first, stage2 = self.stages(budgets, ws)

@@ -4,8 +4,9 @@ Stage 2 (``PerturbationSelection.stage2_scores``) ranks ``A x ||v W^O_h||_1``; t
 multiply-adds per entry and query head, so ``Stage2.bounded`` computes it only for the entries that two upper
 bounds cannot rule out: one of d multiply-adds per entry for every entry, one of d^2 for the entries the first
 leaves (and, on a CPU, a lower bound that keeps some entries without their norm). It keeps exactly the entries of
-scoring every entry (``Stage2.exhaustive``, the definition's scores), ties included under each profile's rule:
-``tests/test_selection.py`` holds the two equal for every method, profile and GQA mode. ``Stage2.search`` picks
+scoring every entry (``Stage2.exhaustive``), ties included under each profile's rule: ``tests/test_selection.py``
+holds the two equal for every method, profile and GQA mode, and ``tests/test_algorithm1.py`` both equal to the
+paper's algorithm as ``pcs.eviction.algorithm1`` defines it. ``Stage2.search`` picks
 between them per layer as ``pcs.options.Stage2Search`` says; ``Stage2Work`` counts what a prompt's stage 2
 computed, and is all the search remembers between layers (never between prompts).
 """
