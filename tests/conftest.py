@@ -10,6 +10,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")   # tests never reach the hub (read
 # tensors are small, and OpenMP threads spin-waiting for a core another process holds made the suite several times
 # slower on a busy 2-core machine; alone, one thread is as fast here (the pool tests: 49.8 s against 49.2 s).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Without a GPU, Triton's kernels run in its interpreter, so that their tests run on the CPU too (read when Triton
+# loads, which torch defers until a kernel is asked for).
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

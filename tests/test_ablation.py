@@ -116,7 +116,7 @@ def test_whole_readings_compose_what_the_options_they_name_compose():
 def test_the_ablations_baselines_are_the_reference_runs(ablation, reference):
     """The attention and paper readings land in the reference runs' folders (their answers are reused), and
     every other reading pairs with an attention run of its own conventions."""
-    from test_sweeps import hydra_cfg
+    from oracles import hydra_cfg
     params = hydra_cfg(f"experiment={ablation}").hydra.sweeper.params
     ref_params = hydra_cfg(f"experiment={reference}").hydra.sweeper.params
     assert str(params.budget) == str(ref_params.budget)
@@ -141,7 +141,7 @@ def test_the_gemma_ablation_runs_every_reading_and_the_full_cache_on_one_prefill
     sample prefilled once), answers stopped once scored, every reading paired with an attention run of its
     conventions."""
     from pcs.sweep import plan
-    from test_sweeps import hydra_cfg
+    from oracles import hydra_cfg
     params = hydra_cfg("experiment=ruler_ablation_gemma").hydra.sweeper.params
     readings = str(params.ablation).split(",")
     assert sorted(readings) == ABLATION_READINGS
@@ -162,7 +162,7 @@ def test_the_gemma_ablations_take_the_answers_of_their_two_task_runs(experiment)
     250 samples per task and length, committed part way) in everything but which samples it holds, so it starts
     from that run's answers to niah_single_2 (pcs.run_folder.RunFolder.adopt)."""
     from pcs.run_folder import but_for_the_samples
-    from test_sweeps import hydra_cfg
+    from oracles import hydra_cfg
     params = hydra_cfg(f"experiment={experiment}").hydra.sweeper.params
     for reading in str(params.ablation).split(","):
         now, before = (RunIdentity(compose([f"experiment={experiment}", f"ablation={reading}",
@@ -181,7 +181,7 @@ def test_a_gemma_rerun_runs_cells_of_its_ablation_on_other_samples(rerun, base):
     each sample prefilled once for all."""
     from pcs.run_folder import but_for_the_samples
     from pcs.sweep import plan
-    from test_sweeps import hydra_cfg
+    from oracles import hydra_cfg
     params, base_params = (hydra_cfg(f"experiment={e}").hydra.sweeper.params for e in (rerun, base))
     readings = str(params.ablation).split(",")
     assert {"full", "attention", "paper", "criticalkv"} <= set(readings) < set(str(base_params.ablation).split(","))
@@ -208,7 +208,7 @@ def test_a_follow_up_adds_readings_to_its_base_experiments_runs(follow_up, base)
     budgets; the readings they compare them with land in the base's folders (their answers are reused), and each
     sample is prefilled once for all runs."""
     from pcs.sweep import plan
-    from test_sweeps import hydra_cfg
+    from oracles import hydra_cfg
     params = hydra_cfg(f"experiment={follow_up}").hydra.sweeper.params
     base_params = hydra_cfg(f"experiment={base}").hydra.sweeper.params
     readings = str(params.ablation).split(",")
@@ -244,7 +244,7 @@ EXPECTED = {   # reading -> {comparison: delta}
 
 
 def write_ruler_run(root, reading, extra=(), per_stratum=10):
-    from test_report import write_run
+    from oracles import write_run
     overrides = ["benchmark=ruler", "benchmark.tasks=[niah_single_1,niah_single_2]", "benchmark.lengths=[2048,4096]",
                  "method=snapkv", "budget=256", f"ablation={reading}", *extra]
     rows = [{"id": f"{task}_{length}_{i}", "score": SCORES[reading] + (10.0 if length == 4096 else 0.0),
@@ -440,7 +440,7 @@ def test_a_grown_ablation_is_its_ablations_runs_on_more_samples(grown, ablation)
     """Each run of a grown experiment is a run of the ablation in everything but benchmark.n_samples, and has at
     least as many samples of every task: it starts from that run's answers (pcs.run_folder.RunFolder.adopt)."""
     from pcs.run_folder import but_for_the_samples
-    from test_sweeps import hydra_cfg
+    from oracles import hydra_cfg
     params = hydra_cfg(f"experiment={grown}").hydra.sweeper.params
     ablation_params = hydra_cfg(f"experiment={ablation}").hydra.sweeper.params
     for method in str(params.method).split(","):

@@ -2,77 +2,23 @@
 and the bytes it reports are the bytes it really holds."""
 import pytest
 import torch
-from transformers import AttentionInterface, DynamicCache
+from transformers import DynamicCache
 
 from pcs.cache import CompressedCache
 from pcs.compression import compress_after_prefill
 from pcs.eviction import build_method
-from pcs.eviction.base import Method
 from pcs.engine.prefill import full_kv_bytes
 from pcs.generate import greedy_generate
 from pcs.hybrid import attention_windows, full_attention_layers
 
 from conftest import compose_cfg, tiny_model
-
-
-class Spy(Method):
-    """Wraps a layer-by-layer method and records what each layer kept."""
-    def __init__(self, method):
-        assert not method.model_wide
-        self.method, self.kept, self.window = method, {}, method.window
-
-    def keep(self, layer):
-        kept = self.method.keep(layer)
-        self.kept[layer.layer_idx] = kept
-        return kept
+from oracles import Spy, compressed_logits, masked_reference_logits
 
 
 def method_for(name, selection, budget, **knobs):
     cfg = compose_cfg(f"method={name}", f"selection={selection}", f"budget={budget}",
                       *[f"method.{k}={v}" for k, v in knobs.items()])
     return build_method(cfg)
-
-
-def masked_reference_logits(model, input_ids, kept, n_steps, tokens, question=None):
-    """Dense cache, eager attention, evicted positions masked per layer and KV head.
-
-    The prompt is prefilled with plain causal attention; every later forward (the question, if
-    any, then one token per step) sees only the kept prompt entries and the tokens added since."""
-    n = input_ids.shape[1]
-    cfg = model.config
-    group = cfg.num_attention_heads // cfg.num_key_value_heads
-
-    def masked_eager(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        q_len, kv_len = query.shape[2], key.shape[2]
-        causal = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
-        window = kwargs.get("sliding_window")        # what the model passes its attention: a sliding layer's window
-        if window:
-            causal &= torch.arange(kv_len)[None, :] > torch.arange(kv_len - q_len, kv_len)[:, None] - window
-        allowed = causal[None].repeat(query.shape[1], 1, 1)
-        heads = kept.get(module.layer_idx)
-        if kv_len > q_len and heads is not None:
-            for h in range(query.shape[1]):
-                held = torch.zeros(n, dtype=torch.bool)
-                held[heads[h if len(heads) == query.shape[1] else h // group]] = True   # per query head, or KV head
-                allowed[h, :, :n] &= held
-        k = key.repeat_interleave(group, dim=1)
-        v = value.repeat_interleave(group, dim=1)
-        scores = (query @ k.transpose(-1, -2)) * scaling
-        scores = scores.masked_fill(~allowed[None], float("-inf"))
-        return (scores.softmax(-1) @ v).transpose(1, 2).contiguous(), None
-
-    AttentionInterface.register("masked_ref", masked_eager)
-    model.set_attn_implementation("masked_ref")
-    try:
-        cache = DynamicCache()        # every entry of every layer: the sliding windows are masked above
-        out = [model(input_ids=input_ids, past_key_values=cache).logits[0, -1:]]
-        if question is not None:
-            out.append(model(input_ids=question, past_key_values=cache).logits[0])
-        for t in range(n_steps):
-            out.append(model(input_ids=torch.tensor([[tokens[t]]]), past_key_values=cache).logits[0, -1:])
-        return torch.cat(out)
-    finally:
-        model.set_attn_implementation("pcs")
 
 
 def assert_windows_held(model, cache, spy):
@@ -82,22 +28,6 @@ def assert_windows_held(model, cache, spy):
     for layer, window in zip(cache.layers, windows):
         if window is not None:
             assert layer.entries_per_head() == [window - 1] * model.config.num_key_value_heads
-
-
-def compressed_logits(model, input_ids, method, tokens, question=None, room=256):
-    cache = CompressedCache.of(model.config, room)
-    n = input_ids.shape[1]
-    with compress_after_prefill(model, method, cache):
-        out = [model(input_ids=input_ids, past_key_values=cache).logits[0, -1:]]
-    if question is not None:
-        q = question.shape[1]
-        out.append(model(input_ids=question, position_ids=torch.arange(n, n + q)[None],
-                         past_key_values=cache).logits[0])
-        n += q
-    for t, tok in enumerate(tokens):
-        out.append(model(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[n + t]]),
-                         past_key_values=cache).logits[0, -1:])
-    return torch.cat(out), cache
 
 
 @pytest.mark.parametrize("cell", [("method=adakv", "selection=attention"), ("method=snapkv", "selection=attention"),

@@ -197,7 +197,7 @@ def test_pooled_decoding_over_defensivekv_gives_batch_one_tokens():
     """DefensiveKV and Layer-DefensiveKV in pools beside SnapKV, on a hybrid model and a full-attention one
     (uneven heads, and uneven layers under one top-k of the model): batch 1's tokens (``tests/test_pool.py``)."""
     from conftest import tiny_model
-    from test_pool import compare, samples
+    from oracles import compare, samples
     cells = [("method=defensivekv", "method.window=8"),
              ("method=layer_defensivekv", "method.window=8"),
              ("method=snapkv", "method.window=8")]

@@ -202,7 +202,7 @@ def test_cuda_pooled_decoding_through_the_kernel_gives_batch_one_tokens(arch):
     step runs at most ``COMPILED_KERNELS_PER_LAYER`` kernels per layer, as CUDA's profiler counts them."""
     from pcs.bench.instrument import StepKernels
     from pcs.engine import Cell, DecodePool, prefill
-    from test_pool import COMPILED_KERNELS_PER_LAYER, LENGTH_CELLS, TRIGGERED, build, compare, samples
+    from oracles import COMPILED_KERNELS_PER_LAYER, LENGTH_CELLS, TRIGGERED, build, compare, samples
     model = tiny_model(arch).cuda()
     pool = DecodePool(model, 4, graphs=True)
     assert pool.compiled and all(layer.kernel for layer in pool.cache.layers)
@@ -248,7 +248,7 @@ def test_cuda_layer_compression_syncs_a_constant_number_of_times(cell):
     """CUDA's own count of host synchronisations (set_sync_debug_mode warns at each) in one layer's compression is at
     most test_selection.MOST_HOST_READS at 4K and at 32K tokens (the budgets, stage 2's rounds), with the bounded
     search at both (the search that reads the device)."""
-    from test_selection import MOST_HOST_READS
+    from oracles import MOST_HOST_READS
     chosen = build_method(compose_cfg(*cell, "budget=1024"))
     counts = [cuda_syncs(chosen, cuda_layer(n, search="bounded")) for n in (4096, 32768)]
     assert 1 <= min(counts) and max(counts) <= MOST_HOST_READS, counts

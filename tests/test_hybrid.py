@@ -19,7 +19,7 @@ from pcs.hybrid import UnsupportedModel, attention_windows, full_attention_layer
 from pcs.models import prepare
 
 from conftest import TINY, compose_cfg, tiny_model
-from test_cache import Spy, compressed_logits, masked_reference_logits
+from oracles import Spy, compressed_logits, masked_reference_logits
 
 HYBRIDS = {
     "gemma3": lambda: tiny_model("gemma3"),

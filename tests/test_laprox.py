@@ -14,7 +14,7 @@ from pcs.engine.prefill import full_kv_bytes
 from pcs.generate import greedy_generate
 
 from conftest import tiny_model
-from test_cache import compressed_logits, masked_reference_logits
+from oracles import compressed_logits, masked_reference_logits
 
 
 def random_state(seed, h_kv=2, h_q=6, n=60, d=8, hidden=24, layer_idx=0, n_layers=1):

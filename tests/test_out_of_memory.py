@@ -21,7 +21,7 @@ from pcs.identity import RunIdentity
 from pcs.runner import SampleDoesNotFit, run_cells
 
 from conftest import compose_cfg, tiny_model
-from test_pool import build, samples
+from oracles import build, samples
 
 CELLS = [("method=snapkv",), ("method=adakv", "selection=perturbation"), ("method=pyramidkv", "profile=kvpress"),
          ("method=streamingllm",), ("method=full",)]

@@ -7,7 +7,6 @@ fed after compression, decoding-time recompression, per-row stops and minimum an
 pools of 1, 3 and 8 sequences that arrive in different orders. A row may differ only where batch 1's top two
 logits at the first differing token are within ``NEAR_TIE`` (batched matrix products round differently).
 """
-import functools
 from pathlib import Path
 import itertools
 import random
@@ -16,134 +15,20 @@ import pytest
 import torch
 
 from pcs.cache import CompressedCache, CompressibleLayer
-from pcs.compression import CompressionStats, compress_after_prefill, compress_each_after_prefill, recompress_when_full
+from pcs.compression import compress_after_prefill
 from pcs.bench.instrument import StepKernels, StepOps
 from pcs.engine import Arrival, Cell, DecodePool, decode, prefill
 from pcs.engine.pool_cache import PoolCache
-from pcs.eviction import build_method
 
 from conftest import ARCHITECTURES, compose_cfg, tiny_model
-from test_cache import Spy, masked_reference_logits
+from oracles import (COMPILED_KERNELS_PER_LAYER, LENGTH_CELLS, TRIGGERED, WINDOWED, Spy, batch1, build, compare,
+                     masked_reference_logits, samples)
 
-NEAR_TIE = 1e-3   # logits; float32 rounding of batched against one-row products is ~1e-6 here
 
-WINDOWED = ("snapkv", "pyramidkv", "adakv")
 CELLS = ([(f"method={m}", f"selection={s}", f"profile={p}") for m, s, p in itertools.product(
             WINDOWED, ("attention", "perturbation", "perturbation_released"), ("paper", "kvpress", "adakv",
                                                                             "kvcache_factory"))]
          + [("method=full",), ("method=streamingllm",), ("method=laprox",)])
-TRIGGERED = [("method=snapkv", "selection=perturbation"), ("method=adakv", "selection=attention"),
-             ("method=pyramidkv", "selection=perturbation_released", "profile=kvpress"),
-             ("method=streamingllm",), ("method=laprox",)]
-
-
-@functools.lru_cache(maxsize=None)
-def build(cell, budget=40, window=8):
-    knobs = [f"method.window={window}"] if cell[0].removeprefix("method=") in WINDOWED + ("laprox",) \
-        and not any(knob.startswith("method.window=") for knob in cell) else []
-    return build_method(compose_cfg(*cell, f"budget={budget}", *knobs))
-
-
-@torch.inference_mode()
-def batch1(model, ids, methods, max_new, stops, question=None, min_new=0, triggers=None):
-    """The pre-pool engine's decoding of one prompt for each method, one sequence at a time on its own cache
-    (the prefill shared, as ``test_shared_prefill.py`` checks it may be): per method its tokens, batch 1's
-    top-two margin at each choice, and its cache statistics."""
-    caches = [CompressedCache.of(model.config) for _ in methods]
-    with compress_each_after_prefill(model, methods, caches):
-        prompt_logits = model(input_ids=ids, past_key_values=caches[0], use_cache=True, logits_to_keep=1).logits
-    return [decode_alone(model, cache, method, prompt_logits, ids.shape[1], max_new, stops, question, min_new, trigger)
-            for cache, method, trigger in zip(caches, methods, triggers or [None] * len(methods))]
-
-
-def decode_alone(model, cache, method, logits, n, max_new, stops, question, min_new, trigger):
-    stats = CompressionStats(max_kv_entries=cache.most_entries())
-    device = logits.device
-    stop_ids = torch.tensor(sorted(stops), dtype=torch.long, device=device)
-    tokens, margins = [], []
-    with recompress_when_full(model, method, cache, trigger, stats):
-        if question is not None:
-            q = question.shape[1]
-            logits = model(input_ids=question, position_ids=torch.arange(n, n + q, device=device)[None],
-                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-            n += q
-        kv_bytes = cache.nbytes()
-        while len(tokens) < max_new:
-            last = logits[0, -1]
-            if len(tokens) < min_new and len(stop_ids):
-                last = last.index_fill(0, stop_ids, float("-inf"))
-            top = last.topk(2).values
-            margins.append(float(top[0] - top[1]))
-            next_id = int(last.argmax())
-            if next_id in stops:
-                break
-            tokens.append(next_id)
-            if len(tokens) == max_new:
-                break
-            logits = model(input_ids=torch.tensor([[next_id]], device=device),
-                           position_ids=torch.tensor([[n + len(tokens) - 1]], device=device),
-                           past_key_values=cache, use_cache=True).logits
-    return {"tokens": tokens, "margins": margins, "kv_bytes": kv_bytes, "max_kv_entries": stats.max_kv_entries,
-            "n_compressions": stats.n_compressions}
-
-
-def samples(model, vocab=256):
-    """Prompts of different lengths (one shorter than the budget: kept whole), a question fed after compression,
-    and per-sample limits and stops; a stop is a token the full cache's answer reaches, so rows end early."""
-    g = torch.Generator().manual_seed(7)
-    device = next(model.parameters()).device
-    out = [dict(ids=torch.randint(0, vocab, (1, n), generator=g).to(device), max_new=m, min_new=lo, question=None)
-           for n, m, lo in ((90, 12, 0), (150, 7, 3), (30, 16, 0), (120, 9, 2))]
-    out[3]["question"] = torch.randint(0, vocab, (1, 5), generator=g).to(device)
-    for s in out:
-        (full,) = batch1(model, s["ids"], [build(("method=full",))], s["max_new"], set(), s["question"])
-        answer = full["tokens"]
-        s["stops"] = {answer[len(answer) // 2]}
-    return out
-
-
-def compare(model, sample_list, cells, sizes=(1, 3, 8), triggers=None, graphs=False, compiled=False):
-    """Pooled tokens against batch 1's for every (sample, cell) and pool size, each size with its own order of
-    arrival (samples and each sample's cells shuffled): (rows that differ, largest margin at a differing row,
-    rows compared). ``graphs``: the pools replay captured CUDA graphs; ``compiled``: of a compiled forward."""
-    triggers = triggers or [None] * len(cells)
-    want = {}
-    for i, s in enumerate(sample_list):
-        answers = batch1(model, s["ids"], [build(cell) for cell in cells], s["max_new"], s["stops"], s["question"],
-                         s["min_new"], triggers)
-        want.update({(i, j): answer for j, answer in enumerate(answers)})
-    differ, widest, compared = 0, 0.0, 0
-    for order, size in enumerate(sizes):
-        rng = random.Random(order)
-        sample_order = list(range(len(sample_list)))
-        rng.shuffle(sample_order)
-
-        def arrivals():
-            for i in sample_order:
-                s = sample_list[i]
-                cell_order = list(range(len(cells)))
-                rng.shuffle(cell_order)
-                yield Arrival(model, s["ids"], [Cell(build(cells[j]), triggers[j]) for j in cell_order], s["max_new"],
-                              s["stops"], s["question"], s["min_new"], owners=[(i, j) for j in cell_order])
-
-        got = {seq.owner: seq.result for seq in decode(DecodePool(model, size, graphs, compiled=compiled),
-                                                                 arrivals())}
-        assert set(got) == set(want)
-        for key, ref in want.items():
-            compared += 1
-            tokens = got[key].token_ids
-            if tokens == ref["tokens"]:
-                assert (got[key].kv_cache_bytes, got[key].max_kv_entries, got[key].n_compressions) == \
-                    (ref["kv_bytes"], ref["max_kv_entries"], ref["n_compressions"]), key
-                continue
-            first = next(t for t in range(len(ref["margins"])) if t >= len(tokens) or t >= len(ref["tokens"])
-                         or tokens[t] != ref["tokens"][t])
-            differ += 1
-            widest = max(widest, ref["margins"][first])
-            assert ref["margins"][first] <= NEAR_TIE, (key, size, order, tokens, ref)
-    print(f"\n[pool] {differ} of {compared} pooled rows differ from batch 1"
-          + (f"; largest top-two margin at the first difference {widest:.2e}" if differ else ""))
-    return differ, widest, compared
 
 
 def test_pooled_decoding_gives_batch_one_tokens(arch):
@@ -335,12 +220,6 @@ def through_lengths(monkeypatch):
     monkeypatch.setattr(pool_module.decode_attention, "available", lambda device, d: True)
 
 
-LENGTH_CELLS = [("method=adakv", "selection=perturbation"), ("method=snapkv", "profile=adakv",
-                                                            "profile.gqa=per_query_head"),
-                ("method=pyramidkv", "selection=attention", "profile=kvpress"), ("method=full",),
-                ("method=streamingllm",), ("method=laprox",)]
-
-
 def test_pooled_decoding_through_head_lengths_gives_batch_one_tokens(arch, through_lengths):
     """Sequences joining, leaving and moving between slots, of per-head lengths, per-query-head choices and
     sliding windows, and rows recompressed while decoding: the device's lengths follow them all."""
@@ -374,10 +253,6 @@ def test_compiled_pooled_decoding_gives_batch_one_tokens(arch, through_lengths):
     assert compared == 2 * 4 * len(TRIGGERED)
     assert not counters["graph_break"]
     assert counters["stats"]["unique_graphs"] <= 8, dict(counters["stats"])
-
-
-# The issue's count of an eager step's kernels per layer was about 48; a compiled step runs at most a third of that.
-COMPILED_KERNELS_PER_LAYER = 16
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -678,7 +553,7 @@ def test_query_rings_growth_counts_its_peak(slots, window):
     """``bytes_for``, what admission counts for the rings, covers the most ``reserve`` holds at once beyond the old
     rings (every new ring before any old one goes, and a widening window's rolled copy), from the profiler's record
     of every allocation, and is not more than that peak."""
-    from test_selection import peak_allocated_bytes
+    from oracles import peak_allocated_bytes
     from pcs.engine.rings import QueryRings
     rings = QueryRings([0, 1, 2], 2, 4, torch.float32, "cpu")
     rings.reserve(2, 3)

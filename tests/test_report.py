@@ -12,6 +12,7 @@ from pcs.report.collect import collect, paper_tables
 from pcs.report.savings import ABOVE, BELOW, equivalent_budget, savings
 
 from conftest import compose_cfg
+from oracles import needle_metrics, write_run
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -41,23 +42,10 @@ def test_paper_numbers_give_the_papers_figure_1_savings():
     assert (six.savings_pct.min(), six.savings_pct.max()) == (21.1, 34.0)
 
 
-def write_run(results, *overrides, metrics):
-    cfg = compose_cfg(*overrides)
-    folder = results / RunIdentity(cfg).folder
-    folder.mkdir(parents=True)
-    (folder / "config.yaml").write_text(RunIdentity(cfg).saved_config)
-    (folder / "metrics.json").write_text(json.dumps(metrics))
-    return folder
-
-
 def longbench_metrics(average):
     domains = {"single_doc_qa": average + 1, "multi_doc_qa": average - 1, "summarization": average,
                "few_shot": average + 2, "synthetic": average - 2, "code": average}
     return {"score": average, "domains": domains}
-
-
-def needle_metrics(score):
-    return {"score": score, "grid": {"1000": {"0": score, "50": 100.0}, "2000": {"0": 0.0, "50": score}}}
 
 
 @pytest.fixture
@@ -231,7 +219,6 @@ def test_figures_name_a_setting_by_its_knobs_never_breaking_one(tmp_path):
     lines = wrapped(knobs, 20).split("\n")
     assert len(lines) > 1 and " ".join(lines) == ", ".join(knobs)
     assert all(piece in knobs for line in lines for piece in line.rstrip(",").split(", "))   # whole knobs only
-
 
 
 def test_a_cell_run_in_two_folders_is_reported_once_and_the_report_says_which(results, tmp_path):

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 from pcs.benchmarks.base import build_benchmark
 
 from conftest import compose_cfg
-from test_ruler_data import hotpot_like, squad_like
+from oracles import hotpot_like, squad_like
 
 
 TASKS = "[niah_single_1,niah_multikey_3,niah_multiquery,vt,cwe,fwe,qa_1,qa_2]"

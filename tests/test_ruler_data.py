@@ -9,6 +9,7 @@ import pytest
 from pcs.benchmarks.ruler_data import (NIAH, NIAH_NEW_TOKENS, CweGenerator, FweGenerator, NiahGenerator,
                                        QaGenerator, cwe_vocabulary, normalize_kvpress, normalize_ruler, read_hotpotqa,
                                        read_squad, string_match_all, string_match_part)
+from oracles import hotpot_like, squad_like
 
 WORDS = sorted(f"{a}-{n}" for a in ("red", "big", "odd", "shy") for n in ("cat", "sea", "hat", "owl", "fig"))
 count_words = lambda text: len(text.split())     # a whitespace "tokenizer"
@@ -362,30 +363,6 @@ def test_fwe_is_rulers_draw_for_draw(length):
         coded = row["input"].split("coded words. ")[1].split("\nQuestion")[0].split()
         counts = sorted(((coded.count(w), w) for w in set(coded) if w != "..."), reverse=True)
         assert [w for _, w in counts[:3]] == row["outputs"] and counts[2][0] > counts[3][0]
-
-
-def squad_like(n_articles=20, paragraphs=4, questions=3, words=15):
-    """A SQuAD 2.0-shaped dev set: articles of paragraphs, answerable and impossible questions."""
-    data = []
-    for a in range(n_articles):
-        paras = []
-        for p in range(paragraphs):
-            qas = [{"question": f"q{a}.{p}.{q}?", "is_impossible": q == 1,
-                    "answers": [] if q == 1 else [{"text": f"ans{a}{p}{q}"}, {"text": f"alt{a}{p}{q}"}]}
-                   for q in range(questions)]
-            answers = [a["text"] for qa in qas for a in qa["answers"][:1]]    # each paragraph holds its answers
-            paras.append({"context": " ".join([f"word{a}{p}{i}" for i in range(words + 5 * p)] + answers), "qas": qas})
-        data.append({"title": f"t{a}", "paragraphs": paras})
-    return {"data": data}
-
-
-def hotpot_like(n=40, titles=100):
-    """A HotpotQA-shaped distractor set: each question with 4 titled paragraphs of sentences, shared across questions."""
-    return [{"question": f"which {i}?", "answer": f"a{i}",
-             "context": [[f"title{(i * 7 + j) % titles}",
-                          [f"s{(i * 7 + j) % titles}.{k} x y z " for k in range(3 + j % 4)] + [f"a{i} " if j == 0 else ""]]
-                         for j in range(4)]}
-            for i in range(n)]
 
 
 def ruler_qa(dataset, data, max_seq_length, num_samples, n_tokens, seed=42):

@@ -494,7 +494,7 @@ def test_criticaladakv_over_a_scorer_keeps_what_criticaladakvpress_keeps(name, t
 def test_pooled_decoding_over_scorers_gives_batch_one_tokens():
     """Scorers under each allocation and selection, on a hybrid model and a full-attention one, in pools beside
     the window's attention: batch 1's tokens (``tests/test_pool.py``'s comparison)."""
-    from test_pool import compare, samples
+    from oracles import compare, samples
     cells = [("method=knorm", "selection=attention"), ("method=keydiff", "selection=perturbation_released"),
              ("method=tova", "selection=perturbation"), ("method=adakv", "method.scorer=knorm", "method.window=0"),
              ("method=pyramidkv", "method.scorer=keydiff", "method.window=0", "selection=attention"),
@@ -509,7 +509,7 @@ def test_pooled_decoding_over_scorers_gives_batch_one_tokens():
 def test_pooled_decoding_time_compression_over_positional_scorers_gives_batch_one_tokens():
     """LagKV and CUR recompressing while decoding (a trigger of 50), under AdaKV's uneven heads, so that pooled heads
     are padded at the front: each head scored on its own entries gives batch 1's tokens."""
-    from test_pool import compare, samples
+    from oracles import compare, samples
     cells = [("method=lagkv", "selection=attention"), ("method=adakv", "method.scorer=lagkv", "method.window=0"),
              ("method=cur", "selection=perturbation"), ("method=adakv", "method.scorer=cur", "method.window=0")]
     model = tiny_model("llama")

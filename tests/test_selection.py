@@ -22,6 +22,7 @@ from pcs.eviction.stage2_search import Stage2, Stage2Work
 from pcs.options import defaults
 
 from conftest import compose_cfg
+from oracles import MOST_HOST_READS, peak_allocated_bytes
 
 
 def brute_force_scores(K, V, Q, Wo, window, kernel, pooling):
@@ -388,19 +389,6 @@ def test_ties_at_the_cut_follow_the_profiles_rule(ties):
         assert set(fast[0].tolist()) & set(twins.tolist()) == {30, 90, 91, 200}
 
 
-def peak_allocated_bytes(fn) -> int:
-    """Peak of the bytes allocated and not yet freed while ``fn`` runs, from the profiler's record of
-    every CPU allocation and free (independent of how the code under test chunks its work)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    live = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak
-
-
 def test_value_norms_need_no_more_memory_than_one_layers_keys_and_values():
     """The issue's memory target, on SmolLM2's shapes: computing ||v W^O_h||_1 for a layer, exhaustively
     or by the bounded stage 2, allocates at most the bytes of that layer's keys and values."""
@@ -526,10 +514,6 @@ class HostReads(TorchDispatchMode):
         scalar_put = func in (torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default) and args[2].dim() == 0
         self.count += func in self.WAITING or boolean_index or scalar_put
         return func(*args, **(kwargs or {}))
-
-
-# Host reads of one layer's compression, at most: the budgets (1), stage 2's checks (one per round of candidates).
-MOST_HOST_READS = 1 + Stage2.MOST_READS
 
 
 def test_adakv_allocations_never_wait_for_the_device():

@@ -9,7 +9,7 @@ import pytest
 from pcs.report.__main__ import main
 from pcs.report.significance import UnpairedError, paired, paired_bootstrap, significance
 
-from test_report import needle_metrics, write_run
+from oracles import needle_metrics, write_run
 
 
 def test_identical_runs_give_zero_delta_and_a_zero_width_interval():

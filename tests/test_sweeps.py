@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import pcs.models
@@ -22,15 +21,11 @@ from pcs.run_folder import exclusive
 from pcs.runner import run
 
 from conftest import CONF, compose_cfg, longbench_files
+from oracles import hydra_cfg
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF) / "experiment").glob("*.yaml"))
 TIMING = ("prefill_s", "decode_s")
-
-
-def hydra_cfg(*overrides):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)

@@ -84,9 +84,10 @@ def split_attention(q, keys, values, lengths, bases, allowed, acc_out, m_out, l_
                  answer.to(acc_out.dtype.element_ty), mask=asked[:, None] & real[None, :])
     else:                                        # a part's partial sums, merged by merge_splits; a part of no
         out = (pair * n_splits + split).to(tl.int64) * ROWS + rows       # entries writes only its maximum
+        read = asked & (rows * 0 + lo < hi)      # a tensor of booleans: the interpreter takes no scalar in a mask
         tl.store(m_out + out, m, mask=asked)
-        tl.store(l_out + out, total, mask=asked & (lo < hi))
-        tl.store(acc_out + out[:, None] * D + dims[None, :], acc, mask=asked[:, None] & (lo < hi))
+        tl.store(l_out + out, total, mask=read)
+        tl.store(acc_out + out[:, None] * D + dims[None, :], acc, mask=read[:, None])
 
 @triton.jit(do_not_specialize=["n_kv_heads", "s_ob", "s_oh", "s_og"])
 def merge_splits(acc, m, total, out, n_kv_heads, s_ob, s_oh, s_og,
