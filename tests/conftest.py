@@ -1,8 +1,10 @@
 """Shared fixtures: composed configs, random-weight tiny models of the supported architectures."""
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")   # tests never reach the hub (read when huggingface_hub loads)
@@ -10,10 +12,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")   # tests never reach the hub (read
 # tensors are small, and OpenMP threads spin-waiting for a core another process holds made the suite several times
 # slower on a busy 2-core machine; alone, one thread is as fast here (the pool tests: 49.8 s against 49.2 s).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Without a GPU, Triton's kernels run in its interpreter, so that their tests run on the CPU too (read when Triton
-# loads, which torch defers until a kernel is asked for).
-if not os.path.exists("/dev/nvidiactl"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
@@ -124,8 +122,44 @@ def tiny_model_dir(embedded_dir, tmp_path_factory):
     return path
 
 
+# What a test costs, read from its source and the source of its module's helpers it calls: a test carries the
+# marker of each (pyproject.toml names them), so that the fast loop (docs/testing.md) leaves them out.
+COSTS = {
+    "subprocess": re.compile(r"subprocess\.|sys\.executable"),
+    "compile": re.compile(r"torch\.compile|compile_step|compiled=True"),
+    "embedded": re.compile(r"AutoModelForCausalLM\.from_pretrained\(embedded_dir|embedded_essay_layers\(|load_model\("
+                           r"|converted_gguf\(|gemma3_270m"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def module_helpers(path: str) -> dict[str, str]:
+    """Source of each module-level function of a test file that is not a test, by name."""
+    import ast
+    source = Path(path).read_text()
+    return {node.name: ast.get_source_segment(source, node) for node in ast.parse(source).body
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("test_")}
+
+
+def costs(item) -> set[str]:
+    import inspect
+    try:
+        source = inspect.getsource(item.function)
+    except (OSError, TypeError):
+        return set()
+    helpers = module_helpers(str(item.path))
+    called = [helpers[name] for name in helpers if re.search(rf"\b{name}\(", source)]
+    text = "\n".join([source, *called])
+    found = {name for name, pattern in COSTS.items() if pattern.search(text)}
+    return found | ({"embedded"} if "slow" in item.keywords else set())
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU tests run where CUDA is (scripts/gpu_check.sh); elsewhere they are skipped, saying why."""
+    """Each test marked with what it costs (``COSTS``); GPU tests run where CUDA is (scripts/gpu_check.sh),
+    elsewhere they are skipped, saying why."""
+    for item in items:
+        for cost in costs(item):
+            item.add_marker(getattr(pytest.mark, cost))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA: run scripts/gpu_check.sh on a GPU machine")

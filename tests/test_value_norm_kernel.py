@@ -51,3 +51,16 @@ def test_the_kernel_computes_every_rows_query_heads_norms_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_the_selections_kernel_cases_pass_in_tritons_interpreter():
+    """The kept-entry tests that run stage 2's norms through the kernel (their ``norms kernel`` cases: every fast path
+    against Algorithm 1's definition through ties, and every method and GQA mode against exhaustive scoring under the
+    paper's profile), in a process of their own under the interpreter (it must be on before torch imports Triton,
+    and this process decodes on the CPU's own path)."""
+    pytest.importorskip("triton")
+    tests = os.path.dirname(__file__)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "norms and kernel and (algorithm1 or paper)",
+                          os.path.join(tests, "test_selection.py"), os.path.join(tests, "test_algorithm1.py")],
+                         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-3000:]
