@@ -14,7 +14,9 @@ Same method on both sides: window 32, average pooling with kernel 7, budget coun
 (kvpress: ``compression_ratio = 1 - budget / context``); perturbation selection is kvpress's
 CriticalKVPress / CriticalAdaKVPress (the same paper) with ``first_stage_ratio = alpha``; AdaKV's
 floor is kvpress's ``alpha_safeguard``. kvpress's AdaKV masks evicted entries instead of removing
-them, so its cache stays full size (its ``kv_bytes`` column shows it).
+them, so its cache stays full size (its ``kv_bytes`` column shows it). KVzip and KVzip+ (``--methods kvzip
+kvzip_plus``, attention selection) time the prefill with the model's repetition of its context on both sides:
+kvpress's ``KVzipPress`` and pcs's ``profile=kvpress``, each reading the tokenizer's chat template.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import sys
 import time
 
 WINDOW, KERNEL, ALPHA, FLOOR = 32, 7, 0.25, 0.2
+KVZIP = {"kvzip": {}, "kvzip_plus": {"kvzip_plus_normalization": True}}     # KVzipPress's parameters per pcs method
 
 
 def prompt_ids(context: int, vocab_size: int) -> list[int]:
@@ -39,20 +42,24 @@ class PcsWorker:
         from pcs.bench.measure import composed
         from pcs.models import load_model
         self.compose = composed
+        from pcs.bench.measure import bench_repeat
         self.model, _ = load_model(composed(model="smollm2", **{"model.path": model_dir, "model.device": "cpu"}).model)
+        self.repeat = bench_repeat("smollm2", model_dir)     # KVzip's request to repeat the context
 
     def time(self, request: dict) -> dict:
         import torch
         from pcs.eviction import build_method
         from pcs.generate import greedy_generate
         overrides = {"method": request["method"], "budget": request["budget"]}
-        if request["method"] != "full":
+        if request["method"] in KVZIP:
+            overrides |= {"selection": request["selection"], "profile": "kvpress"}
+        elif request["method"] != "full":
             overrides |= {"selection": request["selection"], "method.window": WINDOW, "method.kernel": KERNEL,
                           "method.pooling": "avg"}
             overrides |= {"method.floor": FLOOR} if request["method"] == "adakv" else {}
             overrides |= {"selection.alpha": ALPHA} if request["selection"] == "perturbation" else {}
         method = build_method(self.compose(**overrides))
-        gen = greedy_generate(self.model, torch.tensor([request["ids"]]), method, 1, set())
+        gen = greedy_generate(self.model, torch.tensor([request["ids"]]), method, 1, set(), repeat=self.repeat)
         return {"seconds": gen.prefill_s, "kv_bytes": gen.kv_cache_bytes}
 
 
@@ -70,6 +77,8 @@ class KvpressWorker:
         if request["method"] == "full":
             return None
         ratio = 1 - request["budget"] / len(request["ids"])
+        if request["method"] in KVZIP:
+            return kvpress.KVzipPress(compression_ratio=ratio, **KVZIP[request["method"]])
         scorer = kvpress.SnapKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL)
         perturbation = request["selection"] == "perturbation"
         if request["method"] == "snapkv":
@@ -128,7 +137,7 @@ class Client:
 def configurations(methods, selections):
     yield "full", "none"
     for method in methods:
-        for selection in selections:
+        for selection in ["attention"] if method in KVZIP else selections:
             yield method, selection
 
 
@@ -167,7 +176,7 @@ def compare(args) -> list[dict]:
 
 
 def format_row(row: dict) -> str:
-    return (f"{row['context']:>6} {row['method']:<7} {row['selection']:<13} pcs {row['pcs_s']:7.2f} s  "
+    return (f"{row['context']:>6} {row['method']:<10} {row['selection']:<13} pcs {row['pcs_s']:7.2f} s  "
             f"kvpress {row['kvpress_s']:7.2f} s  pcs/kvpress {row['pcs_over_kvpress']:5.3f}  "
             f"KV MiB pcs {row['pcs_kv_bytes'] / 2**20:6.1f} kvpress {row['kvpress_kv_bytes'] / 2**20:6.1f}")
 
@@ -176,7 +185,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kvpress-python", help="the Python of a virtual environment with kvpress installed")
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
-    parser.add_argument("--methods", nargs="+", default=["snapkv", "adakv"], choices=["snapkv", "adakv"])
+    parser.add_argument("--methods", nargs="+", default=["snapkv", "adakv"], choices=["snapkv", "adakv", *KVZIP])
     parser.add_argument("--selections", nargs="+", default=["attention", "perturbation"],
                         choices=["attention", "perturbation"])
     parser.add_argument("--budget", type=int, default=128)
