@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..config import ConfigError, check_room, positive_int
 from .base import LayerState, Method
-from .scores import window_attention
+from .scores import SharedScores, window_attention
 
 
 @dataclass
@@ -64,7 +64,7 @@ class DefensiveKV(Method):
         pooled = pooled / pooled.sum(dim=-1, keepdim=True) * rows
         defensive = pooled.max(dim=1).values.max(dim=-2).values                          # (H_kv, m)
         scores = defensive.clamp(min=defensive.mean(dim=-1, keepdim=True))
-        norms = value_output_l1(layer.values[:, :m], layer.o_proj_weight)
+        norms = value_output_l1(layer, m)
         scores = scores * (norms / norms.sum(dim=0, keepdim=True))
         picks = self.first_stage(mean, window_bias, n)
         scores = torch.where(picks, scores.max().item(), scores)
@@ -110,16 +110,14 @@ class DefensiveKV(Method):
         return None if scored is None else [row.nonzero().flatten() for row in scored[1]]
 
 
-def value_output_l1(values: torch.Tensor, o_proj_weight: torch.Tensor) -> torch.Tensor:
-    """(H_kv, m) ``||v W^O_h||_1``, the mean over each KV head's query heads (lines 32-55), in the authors' order:
-    one product per query head (not ``scores.projected_value_norms``' tiled plan, whose sums may round otherwise
-    and move an entry at a near-tie against the transcription)."""
-    n_kv, m, d = values.shape
-    n_q = o_proj_weight.shape[1] // d
-    weights = o_proj_weight.T.reshape(n_q, d, -1)
-    norms = torch.stack([torch.linalg.vector_norm(values[h * n_kv // n_q].float() @ weights[h].float(), ord=1, dim=-1)
-                         for h in range(n_q)])
-    return norms.view(n_kv, n_q // n_kv, m).mean(dim=1)
+def value_output_l1(layer: LayerState, m: int) -> torch.Tensor:
+    """(H_kv, m) ``||v W^O_h||_1`` of the prefix, the mean over each KV head's query heads (lines 32-55): the norms
+    stage 2 computes (``scores.SharedScores``, shared with the other cells of a prefill), each summed in order as
+    ``torch.linalg.vector_norm(ord=1)`` sums the authors' one product per query head, to the bit."""
+    n_kv, _, d = layer.values.shape
+    group = layer.o_proj_weight.shape[1] // d // n_kv
+    shared = layer.shared if layer.shared is not None else SharedScores(layer.values, layer.o_proj_weight)
+    return shared.value_norms(group, "torch_norm")[:, :m].view(n_kv, group, m).mean(dim=1)
 
 
 def split_by_head(scores: torch.Tensor, k: int) -> list[torch.Tensor]:
