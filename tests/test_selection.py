@@ -336,13 +336,12 @@ def test_entries_kept_on_their_lower_bound_are_those_exhaustive_scoring_keeps(ti
     n_kv, group, m, d = 2, 3, 900, 16
     mean, pooled, stage1 = attention_like(n_kv, group, m, True, g)
     ws = WindowScores(mean, pooled, stage1, torch.randn(n_kv, m, d, generator=g),
-                      torch.randn(1, n_kv * group * d, generator=g), conventions=Conventions(ties=ties),
-                      work=Stage2Work())
-    sel = PerturbationSelection(gqa=gqa)
+                      torch.randn(1, n_kv * group * d, generator=g), conventions=Conventions(ties=ties))
+    sel, work = PerturbationSelection(gqa=gqa), Stage2Work()
     for budgets in ([40, 120], [300, 7]):
-        fast, plain = sel.select(budgets, ws), sel.select(budgets, ws, exhaustive=True)
+        fast, plain = sel.select(budgets, ws, work=work), sel.select(budgets, ws, exhaustive=True)
         assert [f.tolist() for f in fast] == [p.tolist() for p in plain], budgets
-    assert ws.work.certified > 0
+    assert work.certified > 0
 
 
 @pytest.mark.parametrize("ties", ["earlier", "topk"])
@@ -355,14 +354,13 @@ def test_bounded_stage2_keeps_what_exhaustive_scoring_keeps(ties, gqa, source, e
     n_kv, group, m, d, hidden = 2, 3, 900, 16, 48
     mean, pooled, stage1 = attention_like(n_kv, group, m, peaked, g)
     ws = WindowScores(mean, pooled, stage1, torch.randn(n_kv, m, d, generator=g),
-                      torch.randn(hidden, n_kv * group * d, generator=g), conventions=Conventions(ties=ties),
-                      work=Stage2Work())
-    sel = PerturbationSelection(alpha=0.25, stage2_source=source, epsilon=epsilon, gqa=gqa)
-    fast, plain = sel.select([40, 120], ws), sel.select([40, 120], ws, exhaustive=True)
+                      torch.randn(hidden, n_kv * group * d, generator=g), conventions=Conventions(ties=ties))
+    sel, work = PerturbationSelection(alpha=0.25, stage2_source=source, epsilon=epsilon, gqa=gqa), Stage2Work()
+    fast, plain = sel.select([40, 120], ws, work=work), sel.select([40, 120], ws, exhaustive=True)
     assert [f.tolist() for f in fast] == [p.tolist() for p in plain]
     if peaked and source == "unpooled":   # the bounds rule most entries out, and keep some without exact norms
-        assert ws.work.exact_share < 0.2 and ws.work.gram_share < 1 and ws.work.certified > 0
-    assert 1 <= ws.work.host_reads <= Stage2.MOST_READS
+        assert work.exact_share < 0.2 and work.gram_share < 1 and work.certified > 0
+    assert 1 <= work.host_reads <= Stage2.MOST_READS
 
 
 @pytest.mark.parametrize("ties", ["earlier", "topk"])
@@ -581,8 +579,8 @@ def test_a_tie_at_the_cut_under_torch_topks_rule_is_scored_in_full(rows_together
     values = torch.randn(n_kv, 5, d, generator=g)[:, torch.randint(0, 5, (m,), generator=g)]   # 5 distinct values
     mean = (torch.randint(1, 4, (n_kv * group, m), generator=g).float() / m)                   # 3 attention levels
     ws = WindowScores(mean, mean, mean.view(n_kv, group, m).mean(1), values,
-                      torch.randn(hidden, n_kv * group * d, generator=g), conventions=Conventions(ties="topk"),
-                      search=dataclasses.replace(defaults().stage2, search="bounded"))
+                      torch.randn(hidden, n_kv * group * d, generator=g), conventions=Conventions(ties="topk"))
+    bounded = dataclasses.replace(defaults().stage2, search="bounded")
     scored_in_full = []
     every_entry = Stage2.score_every_entry
     monkeypatch.setattr(Stage2, "score_every_entry",
@@ -590,7 +588,7 @@ def test_a_tie_at_the_cut_under_torch_topks_rule_is_scored_in_full(rows_together
                                                           every_entry(self, rows, scores, work)))
     selection = PerturbationSelection()
     for budgets in ([100, 100, 100], [40, 250, 7]):
-        fast = selection.select(budgets, ws)
+        fast = selection.select(budgets, ws, search=bounded)
         plain = selection.select(budgets, ws, exhaustive=True)
         assert [f.tolist() for f in fast] == [p.tolist() for p in plain]
     assert scored_in_full                  # the path ran

@@ -167,7 +167,8 @@ class AdaKV(WindowEviction):
                                     prefix_values=layer.values, window=0, valid=None)
         if layer.work is not None:
             layer.work.add_every_entry_layer(rows, n - self.window)
-        return Stage2(self.selection, whole, blank.bool(), [0] * rows).norms().mean(dim=-2)
+        return Stage2(self.selection, whole, blank.bool(), [0] * rows,
+                      layer.search.value_norm_kernel).norms().mean(dim=-2)
 
     def prefix_budgets(self, layer, stage1_scores):
         rule = self.conventions.adakv_allocation

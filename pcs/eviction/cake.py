@@ -139,7 +139,8 @@ class CAKE(Method):
             count = min(count, m)
             if self.selection.two_stage:
                 ws = scored_layer(prefix, states[layer], self.conventions, window=self.window)
-                kept[layer] = self.selection.select([count] * prefix.shape[0], ws, tail=self.window)
+                kept[layer] = self.selection.select([count] * prefix.shape[0], ws, tail=self.window,
+                                                    search=states[layer].search, work=states[layer].work)
                 continue
             mask = self.conventions.top_mask(prefix, prefix.new_full((prefix.shape[0],), count, dtype=torch.long),
                                              [count] * prefix.shape[0])

@@ -86,5 +86,6 @@ class KVzip(Method):
             kept[layer] = [row.nonzero().flatten() for row in keep.view(ranked.shape[1], n_tokens)]
             if self.selection.two_stage:     # each head's count filled by the two stages, the sinks in stage 1
                 ws = scored_layer(ranked[i], states[layer], self.conventions, protected=self.sinks)
-                kept[layer] = self.selection.select([len(row) for row in kept[layer]], ws)
+                kept[layer] = self.selection.select([len(row) for row in kept[layer]], ws,
+                                                    search=states[layer].search, work=states[layer].work)
         return kept

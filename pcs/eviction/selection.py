@@ -11,7 +11,7 @@ scoring only those that bounds cannot rule out. ``tests/test_algorithm1.py`` hol
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -35,8 +35,6 @@ class WindowScores:
     protected: int = 0                  # prefix entries the allocation guarantees each head (kept in stage 1)
     conventions: Conventions = PAPER    # stage-1 size and tie rule (pcs/conf/profile/)
     shared: SharedScores | None = None  # the layer's scores computed once for the runs sharing its prefill
-    search: Stage2Search = field(default_factory=lambda: defaults().stage2)   # how stage 2 searches
-    work: Stage2Work | None = None      # the prompt's stage-2 tally (None: this layer's alone)
 
 
 def scored_layer(scores: torch.Tensor, layer, conventions: Conventions, window: int = 0, protected: int = 0,
@@ -46,20 +44,21 @@ def scored_layer(scores: torch.Tensor, layer, conventions: Conventions, window: 
     ``||v W^O_h||_1``, as kvpress's CriticalKVPress does over any press. ``layer``: the ``LayerState`` they score."""
     m = scores.shape[1]
     return WindowScores(scores, scores, scores, layer.values[:, :m], layer.o_proj_weight, window=window,
-                        protected=protected, conventions=conventions, shared=shared, search=layer.search,
-                        work=layer.work)
+                        protected=protected, conventions=conventions, shared=shared)
 
 
 @dataclass
 class AttentionSelection:
     two_stage = False
 
-    def select(self, budgets: list[int], ws: WindowScores, tail: int = 0) -> list[torch.Tensor]:
+    def select(self, budgets: list[int], ws: WindowScores, tail: int = 0, search: Stage2Search | None = None,
+               work: Stage2Work | None = None) -> list[torch.Tensor]:
         """Per row, the ascending positions of its top ``budgets[r]`` prefix entries, then of the ``tail`` entries
         after the prefix that every row keeps (``positions``). Under ``ties=topk`` and ``window_cut=in_row`` with a
         budget shared by every row, one torch.topk of ``budget + tail`` over the row with the tail at the largest
         float, as kvpress's ``ScorerPress.compress`` takes it over its press's scores (the window padded at the
-        maximum plus one): the same entries as a top-k of the prefix alone, but for ties at the cut."""
+        maximum plus one): the same entries as a top-k of the prefix alone, but for ties at the cut. ``search`` and
+        ``work`` are stage 2's, which this selection has not."""
         budgets = [min(b, ws.stage1.shape[1]) for b in budgets]
         c = ws.conventions
         if c.ties == "topk" and c.window_cut == "in_row" and tail and len(set(budgets)) == 1:
@@ -101,20 +100,22 @@ class PerturbationSelection:
         sizes = self.stage1_sizes(budgets, ws)
         return positions(ws.conventions.top_mask(ws.stage1, upload(sizes, ws.stage1.device), sizes), sizes)
 
-    def select(self, budgets: list[int], ws: WindowScores, exhaustive: bool = False,
-               tail: int = 0) -> list[torch.Tensor]:
+    def select(self, budgets: list[int], ws: WindowScores, exhaustive: bool = False, tail: int = 0,
+               search: Stage2Search | None = None, work: Stage2Work | None = None) -> list[torch.Tensor]:
         """Algorithm 1 for every KV head of a layer, each with a prefix budget ``budgets[r]``: stage 1 keeps its top
         ``stage1_size`` entries by pooled attention, stage 2 fills the rest of the budget by ``stage2_scores``
         among the entries stage 1 left; then the ``tail`` entries after the prefix that every row keeps (the
         observation window), as ``AttentionSelection.select``. ``exhaustive`` scores every entry in stage 2; otherwise ``pcs.eviction.stage2_search`` scores only the entries that could make the cut,
-        keeping the same entries."""
+        keeping the same entries, as ``search`` says (the engine's ``Stage2Search``; None: the defaults), counted in
+        ``work`` (the prompt's tally; None: this layer's alone)."""
         budgets = [min(b, ws.stage1.shape[1]) for b in budgets]
-        first, stage2 = self.stages(budgets, ws)
+        search = search or defaults().stage2
+        first, stage2 = self.stages(budgets, ws, search.value_norm_kernel)
         # Norms shared by the runs of a prefill are computed for every entry anyway: no bound can save work.
         if exhaustive or stage2.shared_norms is not None:
             scores = stage2.exhaustive()
         else:
-            scores = stage2.search(ws.search, ws.work if ws.work is not None else Stage2Work())
+            scores = stage2.search(search, work if work is not None else Stage2Work())
         if ws.conventions.ties == "topk" and len(set(budgets)) == 1:
             return positions(one_cut(first, scores, budgets[0], tail), budgets, tail)
         return positions(first | ws.conventions.top_mask(scores, stage2.k, stage2.counts), budgets, tail)
@@ -130,13 +131,13 @@ class PerturbationSelection:
         attention = self.stage2_attention(ws).view(rows, -1, m)
         return self.combine(attention, norms).masked_fill(excluded, float("-inf"))
 
-    def stages(self, budgets: list[int], ws: WindowScores) -> tuple[torch.Tensor, Stage2]:
+    def stages(self, budgets: list[int], ws: WindowScores, norm_kernel: bool = True) -> tuple[torch.Tensor, Stage2]:
         """Stage 1's picks for prefix ``budgets`` (each at most the prefix), a (rows, m) mask, and stage 2 over the
         entries they leave, ``budgets[r]`` less row r's picks to choose."""
         sizes = self.stage1_sizes(budgets, ws)
         first = ws.conventions.top_mask(ws.stage1, upload(sizes, ws.stage1.device), sizes)
         excluded = first if ws.valid is None else first | ~ws.valid
-        return first, Stage2(self, ws, excluded, [b - size for b, size in zip(budgets, sizes)])
+        return first, Stage2(self, ws, excluded, [b - size for b, size in zip(budgets, sizes)], norm_kernel)
 
     def stage2_attention(self, ws: WindowScores) -> torch.Tensor:
         return (ws.mean_attention if self.stage2_source == "unpooled" else ws.pooled_attention) + self.epsilon

@@ -104,9 +104,10 @@ class Stage2:
     MOST_READS = 4   # host reads per layer: the entries certified (where the plan certifies), rounds 1 and 2, and
                      # under torch.topk's tie rule a re-check of the cut
 
-    def __init__(self, selection, ws, excluded: torch.Tensor, counts: list[int]):
+    def __init__(self, selection, ws, excluded: torch.Tensor, counts: list[int], norm_kernel: bool = True):
         """``selection``: the ``PerturbationSelection`` whose stage 2 this is; ``ws``: the layer's ``WindowScores``
-        (the selection module's: this module stays below it)."""
+        (the selection module's: this module stays below it); ``norm_kernel``: the exact norms from the norms
+        kernel where it runs (``Stage2Search.value_norm_kernel``)."""
         self.selection, self.ws, self.excluded, self.counts = selection, ws, excluded, counts
         self.rows, self.m = excluded.shape
         self.d = ws.prefix_values.shape[-1]
@@ -118,7 +119,7 @@ class Stage2:
         # The same for the exhaustive and the bounded path, alone or shared: an entry's exact score is the same
         # bits in all.
         plan = norm_plan(self.rows, self.m + ws.window, self.d, self.group, self.hidden, ws.prefix_values.dtype,
-                         self.device, ws.conventions.l1_norm, ws.search.value_norm_kernel)
+                         self.device, ws.conventions.l1_norm, norm_kernel)
         self.plan = plan
         self.shared_norms = None if ws.shared is None else \
             ws.shared.value_norms(self.group, ws.conventions.l1_norm)[:, :self.m].view(self.rows, self.group, self.m)

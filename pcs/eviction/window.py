@@ -115,7 +115,7 @@ class WindowEviction(Method):
         else:
             stage1 = group_mean(pooled, n_kv_heads)
         ws = WindowScores(mean, pooled, stage1, values, layer.o_proj_weight, window=w, protected=self.protected(),
-                          conventions=self.conventions, shared=shared, search=layer.search, work=layer.work)
+                          conventions=self.conventions, shared=shared)
         if valid is not None:
             ws.valid = valid[:, :m]
         return ws
@@ -126,8 +126,9 @@ class WindowEviction(Method):
             return None
         # The window's positions follow the prefix's m = n - window: the selection appends them to every row.
         if self.exhaustive_stage2:
-            return self.selection.select(planned[1], planned[0], exhaustive=True, tail=self.window)
-        return self.selection.select(planned[1], planned[0], tail=self.window)
+            return self.selection.select(planned[1], planned[0], exhaustive=True, tail=self.window,
+                                         search=layer.search, work=layer.work)
+        return self.selection.select(planned[1], planned[0], tail=self.window, search=layer.search, work=layer.work)
 
     def stage1(self, layer: LayerState):
         planned = self.plan(layer)
