@@ -122,7 +122,7 @@ def tiny_model_dir(embedded_dir, tmp_path_factory):
     return path
 
 
-# What a test costs, read from its source and the source of its module's helpers it calls: a test carries the
+# What a test costs, read from its source and the source of its module's helpers and fixtures it uses: a test carries the
 # marker of each (pyproject.toml names them), so that the fast loop (docs/testing.md) leaves them out.
 COSTS = {
     "subprocess": re.compile(r"subprocess\.|sys\.executable"),
@@ -148,7 +148,8 @@ def costs(item) -> set[str]:
     except (OSError, TypeError):
         return set()
     helpers = module_helpers(str(item.path))
-    called = [helpers[name] for name in helpers if re.search(rf"\b{name}\(", source)]
+    called = [helpers[name] for name in helpers                 # called, or named (a fixture, getfixturevalue)
+              if re.search(rf"\b{name}\b", source) or name in item.fixturenames]
     text = "\n".join([source, *called])
     found = {name for name, pattern in COSTS.items() if pattern.search(text)}
     return found | ({"embedded"} if "slow" in item.keywords else set())
