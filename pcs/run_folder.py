@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from .config import upgraded
 from .errors import ConfigError
 from .identity import RunIdentity, without_locations
-from .paths import jsonl_lines, write_atomic
+from .paths import write_atomic
 
 
 class CorruptRows(ConfigError):
