@@ -14,7 +14,7 @@ from pcs.generate import greedy_generate
 from pcs.models import load_model
 from conftest import compose_cfg
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.embedded
 
 # (overrides, budget, whether ties are built at the cut): each profile's tie rule, both selections' knobs, the three
 # allocations; criticalkv's knobs as the model gives them only.
