@@ -91,8 +91,8 @@ def paired_bootstrap(differences, strata: list[np.ndarray] | None = None, resamp
     strata = strata or [np.arange(len(d))]
     # A report asks for the same comparison from several tables (a run's effect in its benchmark's section, the
     # significance table and the leaderboard): the draws depend on nothing else, so each is drawn once.
-    return _bootstrap(d.tobytes(), tuple(np.asarray(s, dtype=np.int64).tobytes() for s in strata), resamples, seed,
-                      level)
+    rows = [np.flatnonzero(s) if np.asarray(s).dtype == bool else np.asarray(s, dtype=np.int64) for s in strata]
+    return _bootstrap(d.tobytes(), tuple(r.tobytes() for r in rows), resamples, seed, level)
 
 
 @functools.lru_cache(maxsize=8192)
