@@ -93,7 +93,7 @@ def embedded_essay_layers(model_dir, n_tokens: int = 600, window: int = 32) -> t
         def for_prompt(self, n):
             return self
 
-        def keep(self, layer):
+        def keep(self, layer, stage2=None):
             self.states.append(layer)
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from pcs.report.__main__ import main
-from pcs.report.significance import UnpairedError, paired, paired_bootstrap, significance
+from pcs.report.significance import UnpairedError, paired, paired_bootstrap
 
 from oracles import needle_metrics, write_run
 
