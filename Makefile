@@ -8,7 +8,7 @@ KVPRESS_VENV ?= .venv-kvpress
 # An index for torch alone (e.g. https://download.pytorch.org/whl/cpu: the CPU wheel where PyPI serves CUDA builds).
 TORCH_INDEX ?=
 
-.PHONY: setup run test clean compare-kvpress conformance conformance-answers gpu-wheels
+.PHONY: setup run test test-costs clean compare-kvpress conformance conformance-answers gpu-wheels
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ run: setup
 # One worker per core (pytest-xdist): the tests are independent, and each runs single-threaded (tests/conftest.py).
 test: setup
 	$(PY) -m pytest -q -n auto
+
+# The suite, recording each test's seconds in tests/costs.json (what marks a test slow; docs/testing.md).
+test-costs: setup
+	$(PY) -m pytest -q -n auto --record-costs
 
 # NVIDIA's kvpress needs transformers<5.3, so it gets its own environment for the side-by-side timing.
 $(KVPRESS_VENV)/.installed:

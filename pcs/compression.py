@@ -22,7 +22,7 @@ import torch
 from .cache import CompressedCache
 from .eviction.base import LayerState, Method
 from .eviction.scores import SharedScores
-from .eviction.stage2_search import Stage2Work
+from .eviction.stage2_search import Stage2Run, Stage2Work
 from .options import EngineOptions, Stage2Search, defaults
 from .hybrid import full_attention_layers
 
@@ -192,8 +192,8 @@ def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer, o
     a ``SharedScores`` for the methods that all compress the layer (a group of runs). After a sliding-window
     layer's forward, ``on_sliding(layer_idx, cache_layer)`` runs instead (None: the layer stays as it is). On CUDA
     both run a few layers late, beside the forward of the next (``LaggedCompression``); all have run when the
-    context exits without an error. ``options``: the engine's (None: the defaults), for how far behind and how
-    stage 2 searches."""
+    context exits without an error. ``options``: the engine's (None: the defaults), for how far behind and the
+    shared scores' value-norm kernel."""
     options = options or defaults()
     modules = attention_modules(model)
     compressed = compressed_layers(cache)
@@ -217,8 +217,7 @@ def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer, o
         prompt = PromptQueries(module, hidden, kwargs["position_embeddings"], rotaries[module.layer_idx])
         state = LayerState(module.layer_idx, len(modules), keys, values, queries[max(windows, default=0)],
                            module.o_proj.weight, compressed=compressed, prompt=prompt,
-                           shared=SharedScores(values, module.o_proj.weight, kernel) if shared else None,
-                           search=options.stage2)
+                           shared=SharedScores(values, module.o_proj.weight, kernel) if shared else None)
         late.push(lambda: on_layer(queries, state, layer))
 
     with hooked(modules, hook):
@@ -229,9 +228,11 @@ def after_prefill(model, cache: CompressedCache, windows: list[int], on_layer, o
 class LayerChoices:
     """One method's kept entries, layer by layer during a prefill. A model-wide method only scores each
     layer as it passes and chooses for all layers in ``finish``, once all are seen; one scored by a reconstruction
-    (``Method.reconstruction``) only notes the layers it chooses in, its scores coming to ``finish``."""
+    (``Method.reconstruction``) only notes the layers it chooses in, its scores coming to ``finish``. ``stage2``:
+    the method's stage 2 for this prompt (the engine's search, and the tally it counts in)."""
 
-    def __init__(self, method: Method, n_layers: int):
+    def __init__(self, method: Method, n_layers: int, stage2: Stage2Run):
+        self.stage2 = stage2
         self.given = self.method = method   # ``method`` as configured; ``self.method``: for the prompt at hand
         self.kept, self.scores, self.n_tokens = [None] * n_layers, {}, 0
         self.layers: list[int] = []         # the layers it chooses in (a reconstruction's)
@@ -241,7 +242,7 @@ class LayerChoices:
         """The layer's kept entries if they are known now (None: kept whole, or chosen in ``finish``)."""
         self.method = self.given.for_prompt(state.n_tokens)   # a share-of-prompt budget, in entries
         if not self.method.model_wide:
-            self.kept[state.layer_idx] = self.method.keep(state)
+            self.kept[state.layer_idx] = self.method.keep(state, self.stage2)
             return self.kept[state.layer_idx]
         if self.method.choice_reads_layers:     # its tensors, not the prompt's queries (a prefill's, held until then)
             self.states[state.layer_idx] = dataclasses.replace(state, prompt=None)
@@ -266,7 +267,7 @@ class LayerChoices:
             scores = reconstructed[self.reconstruction]
             self.scores, self.layers = {l: scores[l] for l in self.layers}, []
         if self.scores:
-            reads = (self.states,) if self.method.choice_reads_layers else ()
+            reads = (self.states, self.stage2) if self.method.choice_reads_layers else ()
             for layer_idx, kept in self.method.choose(self.scores, self.n_tokens, *reads).items():
                 self.kept[layer_idx] = kept
             self.scores, self.states = {}, {}
@@ -314,7 +315,8 @@ def compress_each_after_prefill(model, methods: list[Method], caches: list[Compr
     copy of its full cache per chunk. ``options``: the engine's (None: the defaults)."""
     n_layers = model.config.num_hidden_layers
     cells = [CellCache(method, cache) for method, cache in zip(methods, caches)]
-    choices = [LayerChoices(method, n_layers) for method in methods]
+    search = (options or defaults()).stage2
+    choices = [LayerChoices(cell.method, n_layers, Stage2Run(search, cell.stats.stage2)) for cell in cells]
     prefill = caches[0]
 
     def held_whole(layer_idx: int, layer) -> int:
@@ -329,7 +331,7 @@ def compress_each_after_prefill(model, methods: list[Method], caches: list[Compr
             own = cell.cache.layers[state.layer_idx]
             earlier = sum(done.nbytes() for done in cell.cache.layers[:state.layer_idx])
             cell.stats.peak_kv_bytes = max(cell.stats.peak_kv_bytes, earlier + full_bytes)
-            mine = state.seen_by(queries[cell.method.window], cell.stats.stage2)
+            mine = state.seen_by(queries[cell.method.window])
             if own is not layer:
                 own.take(layer)
             own.recent_queries = mine.window_queries    # the window, should decoding recompress later
@@ -388,9 +390,8 @@ def recompress(layer, method: Method, layer_idx: int, n_layers: int, o_proj_weig
     layers methods choose in, for ``LayerState.depth``; ``search``: stage 2's, None for the default). Returns
     whether anything was evicted."""
     keys, values, pad = layer.left_padded()
-    state = LayerState(layer_idx, n_layers, keys, values, layer.recent_queries, o_proj_weight, pad, compressed,
-                       search=search or defaults().stage2)
-    kept = method.keep(state)
+    state = LayerState(layer_idx, n_layers, keys, values, layer.recent_queries, o_proj_weight, pad, compressed)
+    kept = method.keep(state, Stage2Run(search or defaults().stage2))
     if kept is None:
         return False
     layer.compress([idx - p for idx, p in zip(kept, pad.tolist())])

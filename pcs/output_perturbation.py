@@ -25,8 +25,9 @@ from .benchmarks.base import Sample
 from .cache import CompressedCache
 from .compression import LayerChoices, after_prefill, attention_modules, hooked, reconstructed_for, window_queries
 from .eviction.base import Kept, LayerState, Method, window_positions
+from .eviction.stage2_search import Stage2Run
 from .engine.prefill import full_kv_bytes
-from .options import EngineOptions
+from .options import EngineOptions, defaults
 from .cell import RunCell
 from .models import Loaded
 from .prompts import PromptIds, RepeatPrompt, repeat_prompt
@@ -52,7 +53,8 @@ def run_prefill(model, input_ids: torch.Tensor, methods: dict, two_stage: Method
     ``two_stage`` (a two-stage method) records its stage-1 picks; ``options``: the engine's (None: the defaults);
     ``repeat``: the request to repeat the context, for a method scored by its reconstruction (KVzip)."""
     n_layers = model.config.num_hidden_layers
-    choices = {key: LayerChoices(method, n_layers) for key, method in methods.items()}
+    search = (options or defaults()).stage2
+    choices = {key: LayerChoices(method, n_layers, Stage2Run(search)) for key, method in methods.items()}
     stage1, stage1_prefix = [None] * n_layers, [None] * n_layers
     windows = sorted({m.window for m in [*methods.values(), *([two_stage] if two_stage else [])]})
 

@@ -64,9 +64,16 @@ def compose_cfg(*overrides: str):
     return compose(overrides)
 
 
-def tiny_model(arch: str = "llama", seed: int = 0):
+def tiny_model(arch: str = "llama", seed: int = 0, layers: int | None = None):
+    """A random-weight model of ``arch``; ``layers`` keeps its first layers only (Gemma 3's first two: one sliding,
+    one full), for tests whose cost grows with each layer traced by torch.compile."""
+    config = ARCHITECTURES[arch]()
+    if layers:
+        config.num_hidden_layers = layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:layers]
     torch.manual_seed(seed)
-    return prepare(AutoModelForCausalLM.from_config(ARCHITECTURES[arch]()))
+    return prepare(AutoModelForCausalLM.from_config(config))
 
 
 def embedded_essay_layers(model_dir, n_tokens: int = 600, window: int = 32) -> tuple:
@@ -86,7 +93,7 @@ def embedded_essay_layers(model_dir, n_tokens: int = 600, window: int = 32) -> t
         def for_prompt(self, n):
             return self
 
-        def keep(self, layer):
+        def keep(self, layer, stage2=None):
             self.states.append(layer)
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -123,7 +130,9 @@ def tiny_model_dir(embedded_dir, tmp_path_factory):
 
 
 # What a test costs, read from its source and the source of its module's helpers and fixtures it uses: a test carries the
-# marker of each (pyproject.toml names them), so that the fast loop (docs/testing.md) leaves them out.
+# marker of each (pyproject.toml names them), so that the fast loop (docs/testing.md) leaves them out. Beside them,
+# ``slow``: the test took at least ``SLOW_S`` seconds in the suite's last recorded run (``MEASURED``, written by
+# ``make test-costs``); a test not recorded yet is not marked.
 COSTS = {
     "subprocess": re.compile(r"subprocess\.|sys\.executable"),
     "compile": re.compile(r"torch\.compile|compile_step|compiled=True"),
@@ -152,7 +161,47 @@ def costs(item) -> set[str]:
               if re.search(rf"\b{name}\b", source) or name in item.fixturenames]
     text = "\n".join([source, *called])
     found = {name for name, pattern in COSTS.items() if pattern.search(text)}
-    return found | ({"embedded"} if "slow" in item.keywords else set())
+    return found | ({"slow"} if measured_seconds().get(item.nodeid, 0.0) >= SLOW_S else set())
+
+
+MEASURED = Path(__file__).with_name("costs.json")
+SLOW_S = 1.5
+
+
+@functools.lru_cache(maxsize=None)
+def measured_seconds() -> dict[str, float]:
+    return json.loads(MEASURED.read_text())["seconds"] if MEASURED.exists() else {}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-costs", action="store_true",
+                     help=f"write each test's seconds (setup, call and teardown) to {MEASURED.name}: what marks the "
+                          f"tests of at least {SLOW_S:g} s slow")
+
+
+def pytest_configure(config):
+    if config.getoption("--record-costs"):
+        config.pluginmanager.register(CostRecorder(), "pcs-cost-recorder")
+
+
+class CostRecorder:
+    """Sums each test's phases as the reports arrive (from every xdist worker) and, once the session ends, writes
+    the tests that ran over their earlier figures (a run of some tests keeps the others'), those of at least a tenth
+    of ``SLOW_S`` only, so that the file stays short."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report):
+        self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
+
+    def pytest_sessionfinish(self, session):
+        if hasattr(session.config, "workerinput"):      # an xdist worker: the controller records
+            return
+        kept = {k: v for k, v in measured_seconds().items() if k not in self.seconds}
+        kept |= {k: round(v, 2) for k, v in self.seconds.items() if v >= SLOW_S / 10}
+        kept = dict(sorted(kept.items()))
+        MEASURED.write_text(json.dumps({"seconds": kept}, indent=0) + "\n")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,7 +11,7 @@ from pcs.eviction.base import LayerState, Method
 class KeyNorm(Method):
     budget: int
 
-    def keep(self, layer: LayerState):
+    def keep(self, layer: LayerState, stage2=None):
         if layer.n_tokens <= self.budget:
             return None
         norms = layer.keys.float().norm(dim=-1)                   # (H_kv, n)

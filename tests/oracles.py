@@ -190,8 +190,8 @@ class Spy(Method):
         assert not method.model_wide
         self.method, self.kept, self.window = method, {}, method.window
 
-    def keep(self, layer):
-        kept = self.method.keep(layer)
+    def keep(self, layer, stage2=None):
+        kept = self.method.keep(layer, stage2)
         self.kept[layer.layer_idx] = kept
         return kept
 

@@ -11,6 +11,7 @@ import torch
 
 from pcs.eviction import algorithm1, build_method
 from pcs.eviction.base import LayerState
+from pcs.eviction.stage2_search import Stage2Run
 from pcs.options import defaults
 
 from conftest import compose_cfg, embedded_essay_layers
@@ -105,8 +106,12 @@ def random_layer(seed: int, n: int = 700) -> LayerState:
     h_kv, h_q, d, hidden = 2, 6, 16, 48
     keys, values = torch.randn(h_kv, n, d, generator=g), torch.randn(h_kv, n, d, generator=g)
     return LayerState(3, 8, keys, values, torch.randn(h_q, 64, d, generator=g) * 2,
-                      torch.randn(hidden, h_q * d, generator=g),
-                      search=dataclasses.replace(defaults().stage2, search="bounded"))
+                      torch.randn(hidden, h_q * d, generator=g))
+
+
+def bounded() -> Stage2Run:
+    """Stage 2 by the bounded search, whatever the device's plan (the kernel's case plans an accelerator's)."""
+    return Stage2Run(dataclasses.replace(defaults().stage2, search="bounded"))
 
 
 def stage2_ranking(method, layer, row: int) -> tuple[list[int], int]:
@@ -172,7 +177,7 @@ def fast_keep(method, layer, path: str):
     if path == "scored":
         ws, budgets = method.plan(layer)
         return method.selection.select(budgets, ws, exhaustive=True, tail=method.window)
-    return method.keep(layer)
+    return method.keep(layer, bounded())
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -189,5 +194,4 @@ def test_every_real_layer_keeps_the_definitions_entries(embedded_dir):
     for budget in (96, 320):
         for method in methods(budget, 32):
             for layer in states:
-                layer = dataclasses.replace(layer, search=dataclasses.replace(defaults().stage2, search="bounded"))
-                assert_keeps_the_definitions_entries(method.keep(layer), method, layer)
+                assert_keeps_the_definitions_entries(method.keep(layer, bounded()), method, layer)

@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-import pcs.runner
 from pcs.identity import RunIdentity
 from pcs.annotate import annotate_run, main as annotate_main
 from pcs.runner import run

@@ -197,7 +197,7 @@ def test_compression_ops_counts_the_operations_inside_keep_that_dispatch_work():
     from pcs.eviction.base import Method
 
     class TwoOps(Method):
-        def keep(self, layer):
+        def keep(self, layer, stage2=None):
             doubled = (layer + 1).view(-1) * 2
             torch.empty(3)
             return doubled.t() if doubled.dim() == 2 else None

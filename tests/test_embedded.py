@@ -1,4 +1,4 @@
-"""End to end on the real embedded SmolLM2-135M-Instruct (slow: loads real weights)."""
+"""End to end on the real embedded SmolLM2-135M-Instruct (loads real weights)."""
 import json
 
 import pytest
@@ -8,7 +8,7 @@ from pcs.runner import run
 
 from conftest import compose_cfg
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.embedded
 
 
 def test_full_cache_finds_the_needle_at_1000_tokens(embedded_dir, tmp_path):

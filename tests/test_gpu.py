@@ -226,16 +226,20 @@ def test_cuda_pooled_decoding_through_the_kernel_gives_batch_one_tokens(arch):
     assert compared == 2 * 4 * len(TRIGGERED) and differ <= compared // 100
 
 
-def cuda_layer(n, seed=0, dtype=torch.bfloat16, h_kv=8, h_q=32, d=128, hidden=4096, **search):
-    """One layer of Llama-3.1-8B's shapes with random bfloat16 values, on the GPU; ``search``: stage 2's options
-    changed from the defaults (``pcs.options.Stage2Search``)."""
-    import dataclasses
+def cuda_layer(n, seed=0, dtype=torch.bfloat16, h_kv=8, h_q=32, d=128, hidden=4096):
+    """One layer of Llama-3.1-8B's shapes with random bfloat16 values, on the GPU."""
     from pcs.eviction.base import LayerState
-    from pcs.options import defaults
     g = torch.Generator(device="cuda").manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=g, device="cuda", dtype=dtype)   # noqa: E731
-    return LayerState(10, 32, rand(h_kv, n, d), rand(h_kv, n, d), rand(h_q, 64, d) * 2, rand(hidden, h_q * d) / 64,
-                      search=dataclasses.replace(defaults().stage2, **search))
+    return LayerState(10, 32, rand(h_kv, n, d), rand(h_kv, n, d), rand(h_q, 64, d) * 2, rand(hidden, h_q * d) / 64)
+
+
+def stage2_of(**search):
+    """Stage 2 with its options changed from the defaults (``pcs.options.Stage2Search``)."""
+    import dataclasses
+    from pcs.eviction.stage2_search import Stage2Run
+    from pcs.options import defaults
+    return Stage2Run(dataclasses.replace(defaults().stage2, **search))
 
 
 STAGE2_CELLS = [("method=snapkv", "selection=perturbation"), ("method=pyramidkv", "selection=perturbation"),
@@ -250,20 +254,20 @@ def test_cuda_layer_compression_syncs_a_constant_number_of_times(cell):
     search at both (the search that reads the device)."""
     from oracles import MOST_HOST_READS
     chosen = build_method(compose_cfg(*cell, "budget=1024"))
-    counts = [cuda_syncs(chosen, cuda_layer(n, search="bounded")) for n in (4096, 32768)]
+    counts = [cuda_syncs(chosen, cuda_layer(n), stage2_of(search="bounded")) for n in (4096, 32768)]
     assert 1 <= min(counts) and max(counts) <= MOST_HOST_READS, counts
 
 
-def cuda_syncs(method, layer) -> int:
+def cuda_syncs(method, layer, stage2) -> int:
     """Host synchronisations CUDA counts (set_sync_debug_mode warns at each) in one ``keep`` of ``layer``, warm."""
     import warnings
-    method.keep(layer)                                        # warm-up: kernels, allocator
+    method.keep(layer, stage2)                                # warm-up: kernels, allocator
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            method.keep(layer)
+            method.keep(layer, stage2)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sum("synchroniz" in str(w.message) for w in caught)
@@ -275,9 +279,9 @@ def test_cuda_scoring_every_entry_keeps_the_same_entries_with_fewer_syncs(cell):
     search keeps, with fewer host synchronisations (stage 2 reads nothing)."""
     runs = {}
     for every in (False, True):
-        layer = cuda_layer(4096, search="exhaustive" if every else "bounded")
+        layer, stage2 = cuda_layer(4096), stage2_of(search="exhaustive" if every else "bounded")
         method = build_method(compose_cfg(*cell, "budget=1024"))
-        runs[every] = [k.tolist() for k in method.keep(layer)], cuda_syncs(method, layer)
+        runs[every] = [k.tolist() for k in method.keep(layer, stage2)], cuda_syncs(method, layer, stage2)
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] < runs[False][1], runs
 
@@ -290,12 +294,12 @@ def test_cuda_bounded_stage2_keeps_what_exhaustive_stage2_keeps(cell, kernel):
     import functools
     chosen = build_method(compose_cfg(*cell, "budget=512"))
     for seed, n in ((0, 4096), (1, 9000)):   # bounded: short layers would score every entry
-        layer = cuda_layer(n, seed, search="bounded", value_norm_kernel=kernel)
-        fast = chosen.keep(layer)
+        layer, stage2 = cuda_layer(n, seed), stage2_of(search="bounded", value_norm_kernel=kernel)
+        fast = chosen.keep(layer, stage2)
         selection = chosen.selection
         selection.select = functools.partial(type(selection).select, selection, exhaustive=True)
         try:
-            plain = chosen.keep(layer)
+            plain = chosen.keep(layer, stage2)
         finally:
             del selection.select
         assert [f.tolist() for f in fast] == [p.tolist() for p in plain]

@@ -167,7 +167,7 @@ def test_bad_options_are_refused(data_dir, override, message):
         build_benchmark(cfg).check()
 
 
-@pytest.mark.slow
+@pytest.mark.embedded
 def test_embedded_model_runs_a_few_tasks_end_to_end_and_rescoring_agrees(data_dir, tmp_path, embedded_dir):
     from pcs.rescore import main as rescore_main, rescore
     cfg = compose_cfg("benchmark=longbench", f"benchmark.data_dir={data_dir}", "benchmark.tasks=[hotpotqa,trec]",

@@ -2,7 +2,6 @@
 value is, the kept shares are what each run's cache (the engine's prefill) holds, and the full cache's attention
 mass is what transformers' eager attention gives over the same greedy answer."""
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -13,7 +13,6 @@ import torch
 
 import pcs.models
 import pcs.runner
-from pcs.cache import CompressedCache
 from pcs.engine import Arrival, Cell, DecodePool, DoesNotFit, decode
 from pcs.engine.pool import PoolLayer
 from pcs.engine.pool_cache import PoolCache

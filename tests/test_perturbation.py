@@ -98,8 +98,8 @@ def test_assumption1_mass_is_the_attention_on_stage1_entries():
 def test_no_perturbation_without_eviction():
     model = tiny_model("qwen2")
     input_ids = torch.randint(0, 256, (1, 100))
-    every = type("KeepAll", (Method,), {"window": WINDOW,
-                                        "keep": lambda self, s: [torch.arange(s.n_tokens)] * s.keys.shape[0]})()
+    every = type("KeepAll", (Method,), {
+        "window": WINDOW, "keep": lambda self, s, stage2=None: [torch.arange(s.n_tokens)] * s.keys.shape[0]})()
     methods = {"kept_all": every, "budget_over_prompt": method("perturbation", 128), "compressed": method("attention", 32)}
     prefill = run_prefill(model, input_ids, methods)
     assert all(k is None for k in prefill.kept["budget_over_prompt"])

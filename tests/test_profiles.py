@@ -175,7 +175,7 @@ def test_official_adakv_per_query_head(seed):
         assert all(score[h, i] == cut for i in ours ^ set(want[h]))
 
 
-@pytest.mark.slow
+@pytest.mark.embedded
 def test_official_adakv_on_the_embedded_models_real_tensors(embedded_dir):
     """Both official GQA modes on real keys and window queries of the embedded model (an essay prompt)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -159,7 +159,7 @@ def test_stop_when_scored_is_refused_where_a_score_can_still_change():
             validate(compose_cfg(*bad))
 
 
-@pytest.mark.slow
+@pytest.mark.embedded
 def test_answers_stopped_when_scored_keep_every_score(embedded_dir, tmp_path):
     """engine.stop_when_scored on the embedded model: the same scores as decoding every answer to its end, each
     stopped answer the start of the whole one, fewer tokens decoded where an answer was decided early. The two

@@ -234,7 +234,7 @@ class Recording:
     def for_prompt(self, n_tokens):
         return self
 
-    def keep(self, layer):
+    def keep(self, layer, stage2=None):
         self.scores[layer.layer_idx] = self.scorer(layer)
         return None
 

@@ -18,7 +18,7 @@ from pcs.eviction.conventions import Conventions
 from pcs.eviction.scores import SharedScores, group_weights, norm_plan, projected_value_norms, \
     top_eigenvalue_bound
 from pcs.eviction.selection import AttentionSelection, PerturbationSelection, WindowScores
-from pcs.eviction.stage2_search import Stage2, Stage2Work
+from pcs.eviction.stage2_search import Stage2, Stage2Run, Stage2Work
 from pcs.options import defaults
 
 from conftest import compose_cfg
@@ -188,7 +188,8 @@ def test_each_profiles_l1_norm_reaches_stage2_and_the_shared_norms(monkeypatch):
     for overrides, one_reduction in ((["profile=kvpress"], True), (["preset=criticalkv"], True),
                                      (["profile=paper"], False)):
         asked.clear()
-        build_method(compose_cfg("method=snapkv", "selection=perturbation", "budget=120", *overrides)).keep(layer)
+        build_method(compose_cfg("method=snapkv", "selection=perturbation", "budget=120", *overrides)).keep(
+            layer, bounded())
         assert asked and set(asked) == {one_reduction}
     shared = SharedScores(layer.values, layer.o_proj_weight)
     summed, reduced = shared.value_norms(3, "abs_sum"), shared.value_norms(3, "torch_norm")
@@ -339,7 +340,7 @@ def test_entries_kept_on_their_lower_bound_are_those_exhaustive_scoring_keeps(ti
                       torch.randn(1, n_kv * group * d, generator=g), conventions=Conventions(ties=ties))
     sel, work = PerturbationSelection(gqa=gqa), Stage2Work()
     for budgets in ([40, 120], [300, 7]):
-        fast, plain = sel.select(budgets, ws, work=work), sel.select(budgets, ws, exhaustive=True)
+        fast, plain = sel.select(budgets, ws, stage2=Stage2Run(work=work)), sel.select(budgets, ws, exhaustive=True)
         assert [f.tolist() for f in fast] == [p.tolist() for p in plain], budgets
     assert work.certified > 0
 
@@ -356,7 +357,7 @@ def test_bounded_stage2_keeps_what_exhaustive_scoring_keeps(ties, gqa, source, e
     ws = WindowScores(mean, pooled, stage1, torch.randn(n_kv, m, d, generator=g),
                       torch.randn(hidden, n_kv * group * d, generator=g), conventions=Conventions(ties=ties))
     sel, work = PerturbationSelection(alpha=0.25, stage2_source=source, epsilon=epsilon, gqa=gqa), Stage2Work()
-    fast, plain = sel.select([40, 120], ws, work=work), sel.select([40, 120], ws, exhaustive=True)
+    fast, plain = sel.select([40, 120], ws, stage2=Stage2Run(work=work)), sel.select([40, 120], ws, exhaustive=True)
     assert [f.tolist() for f in fast] == [p.tolist() for p in plain]
     if peaked and source == "unpooled":   # the bounds rule most entries out, and keep some without exact norms
         assert work.exact_share < 0.2 and work.gram_share < 1 and work.certified > 0
@@ -424,15 +425,20 @@ def every_method(profile, gqa):
         for m in ("snapkv", "adakv")]
 
 
-def long_layer(seed, n=700, pad=None, sharpness=2.0, search="bounded", work=None):
-    """A random layer. Stage 2 bounds its norms by default (a CPU's only search; where a test forces an
-    accelerator's plan, short layers would otherwise score every entry), and counts what it computed in ``work``."""
+def long_layer(seed, n=700, pad=None, sharpness=2.0):
+    """A random layer."""
     g = torch.Generator().manual_seed(seed)
     h_kv, h_q, d, hidden = 2, 6, 16, 48
     K, V = torch.randn(h_kv, n, d, generator=g), torch.randn(h_kv, n, d, generator=g)
     return LayerState(3, 8, K, V, torch.randn(h_q, 64, d, generator=g) * sharpness,
-                      torch.randn(hidden, h_q * d, generator=g), pad,
-                      search=dataclasses.replace(defaults().stage2, search=search), work=work)
+                      torch.randn(hidden, h_q * d, generator=g), pad)
+
+
+def bounded(work: Stage2Work | None = None, search: str = "bounded", **knobs) -> Stage2Run:
+    """Stage 2 by ``search``, bounded unless said (a CPU's only search; where a test forces an accelerator's plan,
+    short layers would otherwise score every entry), counting what it computed in ``work``."""
+    return Stage2Run(dataclasses.replace(defaults().stage2, search=search, **knobs),
+                     work if work is not None else Stage2Work())
 
 
 @pytest.fixture(params=["one row", "every row", "norms kernel"])
@@ -472,13 +478,13 @@ def test_every_method_profile_and_gqa_mode_keeps_what_exhaustive_stage2_keeps(pr
     for method in every_method(profile, gqa):
         works.append(Stage2Work())
         for layer, grouped in zip(layers, in_a_group):
-            fast = method.keep(dataclasses.replace(layer, work=works[-1]))
+            fast = method.keep(layer, bounded(works[-1]))
             exhaustive = functools.partial(type(method.selection).select, method.selection, exhaustive=True)
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(method.selection, "select", exhaustive)
-                plain = method.keep(layer)
+                plain = method.keep(layer, bounded())
             assert [f.tolist() for f in fast] == [p.tolist() for p in plain], (profile, gqa, method)
-            assert [f.tolist() for f in fast] == [g.tolist() for g in method.keep(grouped)], (profile, gqa, method)
+            assert [f.tolist() for f in fast] == [g.tolist() for g in method.keep(grouped, bounded())], (profile, gqa, method)
     # Both of stage 2's paths ran: heads the first round settled, and heads that needed the second.
     assert 0 < sum(w.widened for w in works) < sum(w.heads for w in works)
 
@@ -536,7 +542,7 @@ def test_one_layers_compression_waits_for_the_device_a_constant_number_of_times(
         for n in (600, 6000):
             layer = long_layer(4, n=n)
             with HostReads() as reads:
-                method.keep(layer)
+                method.keep(layer, bounded())
             counts.append(reads.count)
         assert 1 <= min(counts) and max(counts) <= MOST_HOST_READS, (profile, method, counts)
 
@@ -580,7 +586,7 @@ def test_a_tie_at_the_cut_under_torch_topks_rule_is_scored_in_full(rows_together
     mean = (torch.randint(1, 4, (n_kv * group, m), generator=g).float() / m)                   # 3 attention levels
     ws = WindowScores(mean, mean, mean.view(n_kv, group, m).mean(1), values,
                       torch.randn(hidden, n_kv * group * d, generator=g), conventions=Conventions(ties="topk"))
-    bounded = dataclasses.replace(defaults().stage2, search="bounded")
+    search = dataclasses.replace(defaults().stage2, search="bounded")
     scored_in_full = []
     every_entry = Stage2.score_every_entry
     monkeypatch.setattr(Stage2, "score_every_entry",
@@ -588,7 +594,7 @@ def test_a_tie_at_the_cut_under_torch_topks_rule_is_scored_in_full(rows_together
                                                           every_entry(self, rows, scores, work)))
     selection = PerturbationSelection()
     for budgets in ([100, 100, 100], [40, 250, 7]):
-        fast = selection.select(budgets, ws, search=bounded)
+        fast = selection.select(budgets, ws, stage2=Stage2Run(search))
         plain = selection.select(budgets, ws, exhaustive=True)
         assert [f.tolist() for f in fast] == [p.tolist() for p in plain]
     assert scored_in_full                  # the path ran
@@ -612,10 +618,10 @@ def test_one_layers_compression_dispatches_a_bounded_number_of_operations_on_acc
     monkeypatch.setattr(scores_module, "batches_rows", lambda device: True)
 
     def ops(method, n):
-        layer = long_layer(4, n=n, search="bounded")      # the search with the most operations
-        method.keep(layer)                     # the layer's output projection, computed once per weight
+        layer = long_layer(4, n=n)
+        method.keep(layer, bounded())          # the layer's output projection, computed once per weight
         with CompressionOps(method) as counted:
-            counted.method.keep(layer)
+            counted.method.keep(layer, bounded())      # the search with the most operations
         assert counted.layers == 1
         return counted.ops
 
@@ -640,17 +646,17 @@ def test_scoring_every_entry_on_accelerators_keeps_the_bounded_searchs_entries_i
     import pcs.eviction.scores as scores_module
     monkeypatch.setattr(scores_module, "batches_rows", lambda device: True)
 
-    def kept_and_ops(method, layer):
-        method.keep(layer)
+    def kept_and_ops(method, layer, stage2):
+        method.keep(layer, bounded())
         with CompressionOps(method) as counted:
-            kept = counted.method.keep(layer)
+            kept = counted.method.keep(layer, stage2)
         return [k.tolist() for k in kept], counted.ops
 
-    for bounded, every in zip(every_method(profile, gqa), every_method(profile, gqa)):
-        kept, ops = kept_and_ops(bounded, long_layer(3, n=3000, pad=pad, search="bounded"))
+    for bounded_method, every in zip(every_method(profile, gqa), every_method(profile, gqa)):
+        kept, ops = kept_and_ops(bounded_method, long_layer(3, n=3000, pad=pad), bounded())
         work = Stage2Work()
         reads = work.host_reads
-        kept_every, ops_every = kept_and_ops(every, long_layer(3, n=3000, pad=pad, search="exhaustive", work=work))
+        kept_every, ops_every = kept_and_ops(every, long_layer(3, n=3000, pad=pad), bounded(work, "exhaustive"))
         assert kept_every == kept and ops_every < ops / 2, (ops_every, ops)
         assert work.host_reads == reads and work.exact == work.entries > 0
 
@@ -665,10 +671,9 @@ def test_stage2_search_auto_scores_every_entry_in_short_layers_and_bounds_long_o
     def work(n, accelerator):
         monkeypatch.setattr(scores_module, "batches_rows", lambda device: accelerator)
         method = build_method(compose_cfg("method=snapkv", "selection=perturbation", "budget=128"))
-        layer = long_layer(3, n=n, search="auto", work=Stage2Work())
-        layer = dataclasses.replace(layer, search=dataclasses.replace(layer.search, exhaustive_below=2000))
-        method.keep(layer)           # the rule at 2,000 entries, on layers a CPU runs quickly
-        return layer.work
+        stage2 = bounded(search="auto", exhaustive_below=2000)      # the rule at 2,000 entries, on layers a CPU
+        method.keep(long_layer(3, n=n), stage2)                     # runs quickly
+        return stage2.work
 
     short, long = work(1999, True), work(2000, True)
     assert short.exact == short.entries > 0 and short.host_reads == 0
@@ -693,16 +698,16 @@ def test_stage2_search_auto_scores_every_entry_once_the_runs_bounds_prove_loose(
         return build_method(compose_cfg("method=snapkv", "selection=perturbation", "budget=128"))
 
     reference = method()
-    reference.keep(first)
-    expected = [k.tolist() for k in reference.keep(second)]
+    reference.keep(first, bounded())
+    expected = [k.tolist() for k in reference.keep(second, bounded())]
 
     run, work = method(), Stage2Work()
     auto = dataclasses.replace(defaults().stage2, search="auto", exhaustive_below=2000, loose_after=evidence)
-    run.keep(dataclasses.replace(first, search=auto, work=work))
+    run.keep(first, Stage2Run(auto, work))
     share, reads, entries = work.bounded_share, work.host_reads, work.entries
     assert 0 < share < 1 and work.every_entry == 0 and reads >= 1
     auto = dataclasses.replace(auto, loose_share=share * (1 - 1e-6) if loose else share)
-    assert [k.tolist() for k in run.keep(dataclasses.replace(second, search=auto, work=work))] == expected
+    assert [k.tolist() for k in run.keep(second, Stage2Run(auto, work))] == expected
     if loose and evidence == 1:
         assert work.every_entry == work.entries - entries > 0 and work.host_reads == reads
         assert work.bounded_share == share and 0 < work.every_entry_share < 1 and work.every_entry_layers == 1

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from pcs.report.__main__ import main
-from pcs.report.significance import UnpairedError, paired, paired_bootstrap, significance
+from pcs.report.significance import UnpairedError, paired, paired_bootstrap
 
 from oracles import needle_metrics, write_run
 
@@ -158,3 +158,19 @@ def test_a_saving_interval_reaching_past_the_measured_budgets_says_so(tmp_path):
     report = (tmp_path / "report" / "report.md").read_text()
     assert f"| [< 0.0, {float(edge.savings_pct_ci_high):.1f}] % |" in report
     assert "| [< -100.0, < -100.0] % |" in report
+
+
+def test_a_comparison_asked_again_is_the_same_interval_and_a_mask_stratum_reads_as_its_rows():
+    """The report asks for one comparison from several tables: the second answer is the first (drawn once), and
+    strata given as boolean masks select the rows their indices select."""
+    from pcs.report.significance import _bootstrap, paired_bootstrap
+    rng = np.random.default_rng(3)
+    d = rng.normal(1.0, 2.0, 60)
+    rows = [np.arange(0, 30), np.arange(30, 60)]
+    masks = [np.arange(60) < 30, np.arange(60) >= 30]
+    before = _bootstrap.cache_info().hits
+    first = paired_bootstrap(d, rows, resamples=500)
+    assert paired_bootstrap(d.copy(), [r.copy() for r in rows], resamples=500) == first
+    assert _bootstrap.cache_info().hits == before + 1
+    assert paired_bootstrap(d, masks, resamples=500) == first
+    assert paired_bootstrap(d, rows, resamples=500, seed=1) != first

@@ -14,7 +14,7 @@ from pcs.generate import greedy_generate
 from pcs.models import load_model
 from conftest import compose_cfg
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.embedded
 
 # (overrides, budget, whether ties are built at the cut): each profile's tie rule, both selections' knobs, the three
 # allocations; criticalkv's knobs as the model gives them only.
@@ -48,9 +48,9 @@ def test_bounded_stage2_keeps_what_exhaustive_scoring_keeps_on_repeats(smollm2, 
     select = PerturbationSelection.select
     layers, tied = [0], [0]
 
-    def both(self, budgets, ws, exhaustive=False, tail=0, search=None, work=None):
+    def both(self, budgets, ws, exhaustive=False, tail=0, stage2=None):
         for case in ([ws, tied_at_each_cut(self, budgets, ws)] if ties else [ws]):
-            bounded = select(self, budgets, case, False, tail, search, work)
+            bounded = select(self, budgets, case, False, tail, stage2)
             reference = select(self, budgets, case, True, tail)
             assert [b.tolist() for b in bounded] == [r.tolist() for r in reference], (overrides, layers[0])
         layers[0] += 1

@@ -79,7 +79,7 @@ def test_show_a_command_line_sweeps_config_and_its_cells(tmp_path):
     assert all(f"/{m}_perturbation_b{b}\n" in jobs for m in ("snapkv", "adakv") for b in (64, 128)), jobs
 
 
-@pytest.mark.slow
+@pytest.mark.embedded
 def test_smoke_multirun_as_one_submitit_job(embedded_dir, tmp_path):
     proc = subprocess.run([sys.executable, "run.py", "-m", "experiment=smoke", "hydra/launcher=local_jobs",
                            f"results_dir={tmp_path / 'results'}", f"hydra.sweep.dir={tmp_path / 'multirun'}"],

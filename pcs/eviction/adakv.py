@@ -9,7 +9,7 @@ import torch
 
 from ..upload import upload
 from .scores import positions
-from .stage2_search import Stage2
+from .stage2_search import Stage2, Stage2Run
 from .window import WindowEviction
 
 
@@ -126,12 +126,12 @@ class AdaKV(WindowEviction):
             return max(0, max(1, int(self.budget * self.floor)) - self.window)
         return 0
 
-    def keep(self, layer):
+    def keep(self, layer, stage2: Stage2Run | None = None):
         """As every window method keeps, but for kvpress's conventions, where the layer's entries are pruned as
         ``AdaKVPress`` prunes them (attention alone: ``kvpress_kept``) or as ``CriticalAdaKVPress`` does (the
         released selection: ``kvpress_critical_kept``): the same entries, ties included."""
         if not self.replays_kvpress(layer):
-            return super().keep(layer)
+            return super().keep(layer, stage2)
         planned = self.plan(layer)
         if planned is None:
             return None
@@ -139,9 +139,9 @@ class AdaKV(WindowEviction):
         if not self.two_stage:
             kept = kvpress_kept(ws.stage1, self.budget, self.window, self.floor)
             return positions(kept, kept.sum(dim=1).tolist(), self.window)
-        kept = kvpress_critical_kept(ws.stage1, self.value_norms(layer, ws), self.budget, self.window,
-                                     [b + self.window for b in budgets], self.floor, self.selection.alpha,
-                                     self.selection.epsilon)
+        norms = self.value_norms(layer, ws, stage2 or Stage2Run())
+        kept = kvpress_critical_kept(ws.stage1, norms, self.budget, self.window, [b + self.window for b in budgets],
+                                     self.floor, self.selection.alpha, self.selection.epsilon)
         return positions(kept, kept.sum(dim=1).tolist())
 
     def replays_kvpress(self, layer) -> bool:
@@ -157,7 +157,7 @@ class AdaKV(WindowEviction):
                                       and layer.pad is None and s.stage2_source == "pooled"
                                       and s.gqa == "product_of_means")
 
-    def value_norms(self, layer, ws) -> torch.Tensor:
+    def value_norms(self, layer, ws, stage2: Stage2Run) -> torch.Tensor:
         """(H_kv, n) the group mean of ``||v W^O_h||_1`` of every entry, the window's too
         (``CriticalKVPress.vwl1norm``), as stage 2 computes them (an entry's norm is the same bits whichever entries
         are asked for), counted as a stage 2 that scores every entry."""
@@ -165,10 +165,9 @@ class AdaKV(WindowEviction):
         blank = ws.stage1.new_zeros(rows, n)
         whole = dataclasses.replace(ws, mean_attention=blank, pooled_attention=blank, stage1=blank,
                                     prefix_values=layer.values, window=0, valid=None)
-        if layer.work is not None:
-            layer.work.add_every_entry_layer(rows, n - self.window)
+        stage2.work.add_every_entry_layer(rows, n - self.window)
         return Stage2(self.selection, whole, blank.bool(), [0] * rows,
-                      layer.search.value_norm_kernel).norms().mean(dim=-2)
+                      stage2.search.value_norm_kernel).norms().mean(dim=-2)
 
     def prefix_budgets(self, layer, stage1_scores):
         rule = self.conventions.adakv_allocation

@@ -7,15 +7,14 @@ interface below and nothing else. A method's module is its class; its config fil
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Protocol
 
 import torch
 
 from .. import budget
-from ..options import Stage2Search, defaults
 from .scores import SharedScores
-from .stage2_search import Stage2Work
+from .stage2_search import Stage2Run
 
 # Per layer: None (the layer is kept whole) or one ascending LongTensor of kept positions per KV head.
 Kept = Optional[list[torch.Tensor]]
@@ -56,14 +55,11 @@ class LayerState:
     compressed: tuple[int, ...] | None = None   # the model's layers methods choose in (None: all of them; a
                                                 # hybrid model's sliding-window layers keep their window)
     shared: SharedScores | None = None   # scores computed once for every run sharing this prefill
-    search: Stage2Search = field(default_factory=lambda: defaults().stage2)   # how stage 2 searches (a selection's)
-    work: Stage2Work | None = None       # the prompt's stage-2 tally for this method (None: the layer's alone)
     prompt: Prompt | None = None         # every query of the prompt, on demand (after a prefill; not when decoding)
 
-    def seen_by(self, window_queries: torch.Tensor, work: Stage2Work | None = None) -> LayerState:
-        """The same layer as a method with another observation window sees it (its own last queries), counting
-        its stage 2 in ``work``."""
-        return dataclasses.replace(self, window_queries=window_queries, work=work)
+    def seen_by(self, window_queries: torch.Tensor) -> LayerState:
+        """The same layer as a method with another observation window sees it (its own last queries)."""
+        return dataclasses.replace(self, window_queries=window_queries)
 
     @property
     def depth(self) -> tuple[int, int]:
@@ -122,7 +118,9 @@ class Method:
     reconstruction: Reconstruction | None = None
     choice_reads_layers: bool = False
 
-    def keep(self, layer: LayerState) -> Kept:
+    def keep(self, layer: LayerState, stage2: Stage2Run | None = None) -> Kept:
+        """The layer's kept entries; ``stage2``: how a selection's stage 2 searches and where it counts what it
+        computed (None: the engine's defaults, counted for this layer alone)."""
         raise NotImplementedError
 
     def score(self, layer: LayerState) -> torch.Tensor | None:
@@ -130,10 +128,10 @@ class Method:
         reads of the layer; None: kept whole)."""
         raise NotImplementedError(f"{type(self).__name__} chooses layer by layer (model_wide is False)")
 
-    def choose(self, scores: dict[int, torch.Tensor], n_tokens: int,
-               layers: dict[int, LayerState] | None = None) -> dict[int, list[torch.Tensor]]:
+    def choose(self, scores: dict[int, torch.Tensor], n_tokens: int, layers: dict[int, LayerState] | None = None,
+               stage2: Stage2Run | None = None) -> dict[int, list[torch.Tensor]]:
         """A model-wide method's kept positions per layer and KV head, from every layer's ``score`` (``layers``: the
-        layers themselves, where ``choice_reads_layers``)."""
+        layers themselves, and ``stage2`` as ``keep`` takes it, where ``choice_reads_layers``)."""
         raise NotImplementedError(f"{type(self).__name__} chooses layer by layer (model_wide is False)")
 
     def stage1(self, layer: LayerState) -> list[torch.Tensor] | None:
@@ -166,9 +164,9 @@ class Watched:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def keep(self, layer: LayerState) -> Kept:
+    def keep(self, layer: LayerState, stage2: Stage2Run | None = None) -> Kept:
         with self.watch():
-            return self.inner.keep(layer)
+            return self.inner.keep(layer, stage2)
 
     def for_prompt(self, n_tokens: int) -> Watched:
         return Watched(self.inner.for_prompt(n_tokens), self.watch)

@@ -29,6 +29,7 @@ import torch
 from .. import budget as budgets
 from ..config import ConfigError, check_room, positive_int
 from .base import LayerState, Method, window_positions
+from .stage2_search import Stage2Run
 from .conventions import PAPER, Conventions, kvpress_ratio
 from .scores import group_mean, pool_scores, window_attention
 from .selection import AttentionSelection, PerturbationSelection, scored_layer
@@ -121,8 +122,8 @@ class CAKE(Method):
         scores = pool_scores(attention.mean(dim=1) + self.gamma * spread, self.kernel, "avg", count_padding=True)
         return LayerPreference(group_mean(scores, layer.keys.shape[0]), preference)
 
-    def choose(self, scores: dict[int, LayerPreference], n_tokens: int,
-               layers: dict[int, LayerState] | None = None) -> dict[int, list[torch.Tensor]]:
+    def choose(self, scores: dict[int, LayerPreference], n_tokens: int, layers: dict[int, LayerState] | None = None,
+               stage2: Stage2Run | None = None) -> dict[int, list[torch.Tensor]]:
         """Every layer's budget from the preferences, then each KV head's top entries and the window
         (cake_scorer_press.py lines 181-196 and 91-134), or, under a two-stage selection, the paper's two stages
         within each head's count (``layers``: what the second stage reads)."""
@@ -140,7 +141,7 @@ class CAKE(Method):
             if self.selection.two_stage:
                 ws = scored_layer(prefix, states[layer], self.conventions, window=self.window)
                 kept[layer] = self.selection.select([count] * prefix.shape[0], ws, tail=self.window,
-                                                    search=states[layer].search, work=states[layer].work)
+                                                    stage2=stage2)
                 continue
             mask = self.conventions.top_mask(prefix, prefix.new_full((prefix.shape[0],), count, dtype=torch.long),
                                              [count] * prefix.shape[0])

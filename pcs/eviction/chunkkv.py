@@ -37,12 +37,12 @@ class ChunkKV(SnapKV):
         ratio = 1 - self.budget if budgets.is_share(self.budget) else kvpress_ratio(self.budget, n_tokens)
         return max(1, int(n_chunks * (1 - ratio)))
 
-    def keep(self, layer):
+    def keep(self, layer, stage2=None):
         n, w = layer.n_tokens, self.window
         if budgets.entries(self.budget, n, w + self.sinks) >= n:
             return None
         if n < self.chunk:       # no whole chunk: the scorer's own cut
-            return SnapKV.keep(SnapKV.for_prompt(self, n), layer)
+            return SnapKV.keep(SnapKV.for_prompt(self, n), layer, stage2)
         m = n - w
         ws = self.scored(layer, m, layer.shared) if self.scorer != "window_attention" else \
             self.attended(layer, m, None, layer.shared)

@@ -83,7 +83,7 @@ class DefensiveKV(Method):
             picks[head, order[head, :k]] = True
         return picks
 
-    def keep(self, layer: LayerState):
+    def keep(self, layer: LayerState, stage2=None):
         """The layer's heads share ``H_kv x budget`` entries."""
         scored = self.scored(layer)
         if scored is None:

@@ -10,5 +10,5 @@ from .base import LayerState, Method
 class FullCache(Method):
     evicts: bool = False
 
-    def keep(self, layer: LayerState):
+    def keep(self, layer: LayerState, stage2=None):
         return None

@@ -14,6 +14,7 @@ import torch
 from .. import budget as budgets
 from ..config import ConfigError, positive_int
 from .base import LayerState, Method, Reconstruction
+from .stage2_search import Stage2Run
 from .conventions import PAPER, Conventions, kvpress_ratio
 from .selection import AttentionSelection, PerturbationSelection, scored_layer
 
@@ -63,8 +64,8 @@ class KVzip(Method):
             return (-scores).topk(k).indices
         return scores.sort(descending=True, stable=True).indices[scores.numel() - k:]
 
-    def choose(self, scores: dict[int, torch.Tensor], n_tokens: int,
-               layers: dict[int, LayerState] | None = None) -> dict[int, list[torch.Tensor]]:
+    def choose(self, scores: dict[int, torch.Tensor], n_tokens: int, layers: dict[int, LayerState] | None = None,
+               stage2: Stage2Run | None = None) -> dict[int, list[torch.Tensor]]:
         """Per layer of ``scores`` (its (H_kv, n) reconstruction scores), the kept positions of each head; under a
         two-stage selection, each head's count filled by it (``layers``: what its second stage reads)."""
         if budgets.entries(self.budget, n_tokens, self.sinks) >= n_tokens:
@@ -87,5 +88,5 @@ class KVzip(Method):
             if self.selection.two_stage:     # each head's count filled by the two stages, the sinks in stage 1
                 ws = scored_layer(ranked[i], states[layer], self.conventions, protected=self.sinks)
                 kept[layer] = self.selection.select([len(row) for row in kept[layer]], ws,
-                                                    search=states[layer].search, work=states[layer].work)
+                                                    stage2=stage2)
         return kept

@@ -129,7 +129,7 @@ class LaProx(Method):
             return [top_positions(s, self.per_head) for s in scores]
         return split_by_head(top_positions(scores.flatten(), scores.shape[0] * self.per_head), scores.shape)
 
-    def keep(self, layer: LayerState):
+    def keep(self, layer: LayerState, stage2=None):
         """One layer on its own (scopes ``layer`` and ``head``; decode-time recompression under any
         scope, which then selects within the layer: the other layers are not at hand)."""
         scores = self.score(layer)

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from .conventions import PAPER, Conventions
-from ..options import Stage2Search, defaults
 from ..upload import upload
 from .scores import SharedScores, positions
-from .stage2_search import Stage2, Stage2Work
+from .stage2_search import Stage2, Stage2Run
 
 
 @dataclass
@@ -51,14 +50,14 @@ def scored_layer(scores: torch.Tensor, layer, conventions: Conventions, window: 
 class AttentionSelection:
     two_stage = False
 
-    def select(self, budgets: list[int], ws: WindowScores, tail: int = 0, search: Stage2Search | None = None,
-               work: Stage2Work | None = None) -> list[torch.Tensor]:
+    def select(self, budgets: list[int], ws: WindowScores, tail: int = 0,
+               stage2: Stage2Run | None = None) -> list[torch.Tensor]:
         """Per row, the ascending positions of its top ``budgets[r]`` prefix entries, then of the ``tail`` entries
         after the prefix that every row keeps (``positions``). Under ``ties=topk`` and ``window_cut=in_row`` with a
         budget shared by every row, one torch.topk of ``budget + tail`` over the row with the tail at the largest
         float, as kvpress's ``ScorerPress.compress`` takes it over its press's scores (the window padded at the
-        maximum plus one): the same entries as a top-k of the prefix alone, but for ties at the cut. ``search`` and
-        ``work`` are stage 2's, which this selection has not."""
+        maximum plus one): the same entries as a top-k of the prefix alone, but for ties at the cut. ``stage2`` is
+        for a selection with a second stage, which this one has not."""
         budgets = [min(b, ws.stage1.shape[1]) for b in budgets]
         c = ws.conventions
         if c.ties == "topk" and c.window_cut == "in_row" and tail and len(set(budgets)) == 1:
@@ -101,21 +100,22 @@ class PerturbationSelection:
         return positions(ws.conventions.top_mask(ws.stage1, upload(sizes, ws.stage1.device), sizes), sizes)
 
     def select(self, budgets: list[int], ws: WindowScores, exhaustive: bool = False, tail: int = 0,
-               search: Stage2Search | None = None, work: Stage2Work | None = None) -> list[torch.Tensor]:
+               stage2: Stage2Run | None = None) -> list[torch.Tensor]:
         """Algorithm 1 for every KV head of a layer, each with a prefix budget ``budgets[r]``: stage 1 keeps its top
         ``stage1_size`` entries by pooled attention, stage 2 fills the rest of the budget by ``stage2_scores``
         among the entries stage 1 left; then the ``tail`` entries after the prefix that every row keeps (the
-        observation window), as ``AttentionSelection.select``. ``exhaustive`` scores every entry in stage 2; otherwise ``pcs.eviction.stage2_search`` scores only the entries that could make the cut,
-        keeping the same entries, as ``search`` says (the engine's ``Stage2Search``; None: the defaults), counted in
-        ``work`` (the prompt's tally; None: this layer's alone)."""
+        observation window), as ``AttentionSelection.select``. ``exhaustive`` scores every entry in stage 2;
+        otherwise ``pcs.eviction.stage2_search`` scores only the entries that could make the cut, keeping the same
+        entries, as ``stage2`` says (its search, the engine's ``engine.stage2``, and the prompt's
+        tally it counts in; None: the defaults, counted for this layer alone)."""
         budgets = [min(b, ws.stage1.shape[1]) for b in budgets]
-        search = search or defaults().stage2
-        first, stage2 = self.stages(budgets, ws, search.value_norm_kernel)
+        run = stage2 or Stage2Run()
+        first, stage2 = self.stages(budgets, ws, run.search.value_norm_kernel)
         # Norms shared by the runs of a prefill are computed for every entry anyway: no bound can save work.
         if exhaustive or stage2.shared_norms is not None:
             scores = stage2.exhaustive()
         else:
-            scores = stage2.search(search, work if work is not None else Stage2Work())
+            scores = stage2.search(run.search, run.work)
         if ws.conventions.ties == "topk" and len(set(budgets)) == 1:
             return positions(one_cut(first, scores, budgets[0], tail), budgets, tail)
         return positions(first | ws.conventions.top_mask(scores, stage2.k, stage2.counts), budgets, tail)

@@ -8,16 +8,17 @@ scoring every entry (``Stage2.exhaustive``), ties included under each profile's 
 holds the two equal for every method, profile and GQA mode, and ``tests/test_algorithm1.py`` both equal to the
 paper's algorithm as ``pcs.eviction.algorithm1`` defines it. ``Stage2.search`` picks
 between them per layer as ``pcs.options.Stage2Search`` says; ``Stage2Work`` counts what a prompt's stage 2
-computed, and is all the search remembers between layers (never between prompts).
+computed, and is all the search remembers between layers (never between prompts). ``Stage2Run`` holds the two for
+one prompt of one cell: the engine hands it to a method beside the layer, which holds tensors only.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..kernels import value_norms as value_norm_kernel
-from ..options import Stage2Search
+from ..options import Stage2Search, defaults
 from ..tensor_rows import rows_at
 from ..upload import upload
 from .scores import group_weights, norm_plan, output_projection, projected_value_norms, quadratic_forms, \
@@ -70,6 +71,14 @@ class Stage2Work:
     @property
     def certified_share(self) -> float:
         return self.certified / self.entries if self.entries else 0.0
+
+
+@dataclass
+class Stage2Run:
+    """Stage 2 for one prompt of one cell: how it searches (the engine's ``engine.stage2``) and what it computed
+    (the prompt's tally, which the ``auto`` search reads back and ``pcs.bench`` reports)."""
+    search: Stage2Search = field(default_factory=lambda: defaults().stage2)
+    work: Stage2Work = field(default_factory=Stage2Work)
 
 
 # Stage 2's first round, per KV head with k entries to choose: its best POOL x k entries (at least k + 256) by the

@@ -17,7 +17,7 @@ class StreamingLLM(Method):
     def __post_init__(self):
         check_room(self.budget, sinks=self.sinks)
 
-    def keep(self, layer: LayerState):
+    def keep(self, layer: LayerState, stage2=None):
         n = layer.n_tokens
         if n <= self.budget:
             return None

@@ -18,6 +18,7 @@ import torch
 
 from ..config import check_room
 from .base import LayerState, Method
+from .stage2_search import Stage2Run
 from .conventions import PAPER, Conventions
 from .scorers import SCORERS
 from .scores import group_mean, pool_scores, window_attention
@@ -120,15 +121,15 @@ class WindowEviction(Method):
             ws.valid = valid[:, :m]
         return ws
 
-    def keep(self, layer: LayerState):
+    def keep(self, layer: LayerState, stage2: Stage2Run | None = None):
         planned = self.plan(layer)
         if planned is None:
             return None
         # The window's positions follow the prefix's m = n - window: the selection appends them to every row.
         if self.exhaustive_stage2:
             return self.selection.select(planned[1], planned[0], exhaustive=True, tail=self.window,
-                                         search=layer.search, work=layer.work)
-        return self.selection.select(planned[1], planned[0], tail=self.window, search=layer.search, work=layer.work)
+                                         stage2=stage2)
+        return self.selection.select(planned[1], planned[0], tail=self.window, stage2=stage2)
 
     def stage1(self, layer: LayerState):
         planned = self.plan(layer)

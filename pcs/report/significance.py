@@ -10,6 +10,7 @@ replicates on either side of zero (capped at 1). A fixed seed makes the report r
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,7 @@ class UnpairedError(ValueError):
     """Two runs whose samples differ cannot be compared sample by sample."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Interval:
     """A stratified mean of ``n`` samples and its interval; ``ci_low``, ``ci_high`` and ``p_value`` are NaN where a
     stratum holds fewer than ``MIN_STRATUM`` samples."""
@@ -88,6 +89,15 @@ def paired_bootstrap(differences, strata: list[np.ndarray] | None = None, resamp
     """Interval and two-sided p-value of the (stratified) mean of paired ``differences``."""
     d = np.asarray(differences, dtype=float)
     strata = strata or [np.arange(len(d))]
+    # A report asks for the same comparison from several tables (a run's effect in its benchmark's section, the
+    # significance table and the leaderboard): the draws depend on nothing else, so each is drawn once.
+    rows = [np.flatnonzero(s) if np.asarray(s).dtype == bool else np.asarray(s, dtype=np.int64) for s in strata]
+    return _bootstrap(d.tobytes(), tuple(r.tobytes() for r in rows), resamples, seed, level)
+
+
+@functools.lru_cache(maxsize=8192)
+def _bootstrap(differences: bytes, strata: tuple[bytes, ...], resamples: int, seed: int, level: float) -> Interval:
+    d, strata = np.frombuffer(differences), [np.frombuffer(s, dtype=np.int64) for s in strata]
     n, delta = int(sum(len(s) for s in strata)), stratified_mean(d, strata)
     if too_few(strata):
         return Interval(n, delta, float("nan"), float("nan"), float("nan"))
