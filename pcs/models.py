@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ def converted_gguf(gguf, cache_dir: str | None) -> Path:
     if (target / "config.json").exists():
         return target
     source = joined_gguf(gguf, target.parent) if gguf.get("parts") else package_dir(gguf.package) / gguf.file
-    print(f"[pcs] converting {gguf.file} to float32 once, into {target}")
+    print(f"[pcs] converting {gguf.file} to float32 once, into {target}", file=sys.stderr)   # stdout may be JSON
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     # The dequantized weights are plain float32; the GGUF marker would make save_pretrained refuse.

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from .. import compression
 from ..compression import CompressionStats
@@ -228,7 +229,8 @@ def engine_options(args) -> EngineOptions:
 def run(args) -> list[dict]:
     """Per context: a warm-up of every configuration, then ``repeats`` rounds that each measure every
     configuration once, so that slow drift of the machine falls on all configurations alike. Each row is printed
-    as soon as its last round is measured, so a run stopped at a time limit keeps the rows before it."""
+    as soon as its last round is measured, so a run stopped at a time limit keeps the rows before it; a bar on
+    stderr counts the measurements (warm-ups included)."""
     options = engine_options(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     behind = compression.layers_behind(torch.device(device), options)
@@ -239,18 +241,23 @@ def run(args) -> list[dict]:
     built = build_configurations(args)
     repeat = bench_repeat(args.model, args.model_path) if any(m.reconstruction for _, m in built) else None
     rows = []
+    bar = tqdm(total=len(args.contexts) * len(built) * (1 + args.repeats), desc="bench", unit="measurement",
+               dynamic_ncols=True)
     for context in args.contexts:
         ids = random_prompt(model, context)
         search = scores.stage2_search(context, torch.device(device), options.stage2)
         for _, method in built:
             greedy_generate(model, ids, method, 2, set(), options=options, repeat=repeat)
+            bar.update()
         samples = [[] for _ in built]
         for _ in range(args.repeats - 1):
             for i, (_, method) in enumerate(built):
                 samples[i].append(measure_once(model, method, ids, args.decode_tokens, options, repeat))
+                bar.update()
         base = None
         for (config, method), runs in zip(built, samples):
             runs.append(measure_once(model, method, ids, args.decode_tokens, options, repeat))     # the last round
+            bar.update()
             result = summarize(runs) | stage2_work(method, runs)
             with CompressionOps(method) as ops:   # its prefill's compression: ops per layer, at up to CALLS_CONTEXT
                 result["attention_calls_per_token"] = attention_calls_per_token(
@@ -277,5 +284,7 @@ def run(args) -> list[dict]:
                    "decode_bound": (weights + result["kv_bytes_full"]) / (weights + result["kv_bytes"]),
                    "decode_speedup": base["decode_ms_per_token"] / result["decode_ms_per_token"]}
             rows.append(row)
-            print(json.dumps(row) if args.json else format_row(row), flush=True)
+            with bar.external_write_mode():
+                print(json.dumps(row) if args.json else format_row(row), flush=True)
+    bar.close()
     return rows
