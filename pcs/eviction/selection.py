@@ -106,19 +106,19 @@ class PerturbationSelection:
         among the entries stage 1 left; then the ``tail`` entries after the prefix that every row keeps (the
         observation window), as ``AttentionSelection.select``. ``exhaustive`` scores every entry in stage 2;
         otherwise ``pcs.eviction.stage2_search`` scores only the entries that could make the cut, keeping the same
-        entries, as ``stage2`` says (its search, the engine's ``engine.stage2``, and the prompt's
-        tally it counts in; None: the defaults, counted for this layer alone)."""
+        entries, as ``stage2`` says (its search, the engine's ``engine.stage2``, and the prompt's tally it counts in;
+        None: the defaults, counted for this layer alone)."""
         budgets = [min(b, ws.stage1.shape[1]) for b in budgets]
         run = stage2 or Stage2Run()
-        first, stage2 = self.stages(budgets, ws, run.search.value_norm_kernel)
+        first, second = self.stages(budgets, ws, run.search.value_norm_kernel)
         # Norms shared by the runs of a prefill are computed for every entry anyway: no bound can save work.
-        if exhaustive or stage2.shared_norms is not None:
-            scores = stage2.exhaustive()
+        if exhaustive or second.shared_norms is not None:
+            scores = second.exhaustive()
         else:
-            scores = stage2.search(run.search, run.work)
+            scores = second.search(run.search, run.work)
         if ws.conventions.ties == "topk" and len(set(budgets)) == 1:
             return positions(one_cut(first, scores, budgets[0], tail), budgets, tail)
-        return positions(first | ws.conventions.top_mask(scores, stage2.k, stage2.counts), budgets, tail)
+        return positions(first | ws.conventions.top_mask(scores, second.k, second.counts), budgets, tail)
 
     def stage2_scores(self, ws: WindowScores, excluded: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
         """Stage 2's score of every prefix entry (Algorithm 1's second stage; Algorithm 2 line 9): for query head h,
