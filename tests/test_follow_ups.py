@@ -10,7 +10,8 @@ from transformers import AutoTokenizer
 
 from pcs.benchmarks.base import build_benchmark, checked_benchmark
 from pcs.benchmarks.ruler_data import NIAH
-from pcs.engine import Arrival, Cell, DecodePool, decode
+from pcs.cache import CompressedCache
+from pcs.engine import Arrival, Cell, DecodePool, decode, prefill
 from pcs.errors import ConfigError
 from pcs.eviction import build_method
 from pcs.generate import greedy_generate
@@ -113,6 +114,29 @@ def test_each_question_gets_what_a_prefill_of_its_own_gives(arch, inside, trigge
             alone = greedy_generate(model, ids, method, 12, set(), question_ids=asked, trigger=trigger)
             assert got[(i, j)].token_ids == alone.token_ids and got[(i, j)].kv_cache_bytes == alone.kv_cache_bytes
             assert got[(i, j)].prompt_tokens == alone.prompt_tokens
+
+
+def test_answers_wait_on_one_cache_per_cell_and_may_be_asked_in_any_order(monkeypatch):
+    """A sample's answers hold one compressed cache per cell until each is asked (a follow-up's copy is made as it
+    is about to join the pool, not at the prefill), and each answer, asked last-question first, holds what the
+    prefill asked in order gives it: its own question's first logits and entries."""
+    model = tiny_model("llama")
+    draw = lambda n, seed: torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+    ids, question, ups = draw(120, 3), draw(7, 4), (draw(5, 5), draw(9, 6))
+    cells = [Cell(build_method(compose_cfg(*c))) for c in CELLS]
+    in_order = prefill(model, ids, cells, 12, set(), question, follow_ups=ups)
+    copies, copy = [], CompressedCache.copy
+    monkeypatch.setattr(CompressedCache, "copy", lambda cache: copies.append(cache) or copy(cache))
+    answers = Arrival(model, ids, cells, 12, set(), question, follow_ups=ups).answers()
+    assert len(answers) == len(cells) * 3 and not copies
+    asked = {answer.source[1]: answer.ask() for answer in reversed(answers)}
+    assert len(copies) == len(cells) * 2                 # each cell's last answer asked takes its original
+    for k, seq in enumerate(in_order):
+        assert torch.equal(asked[k].logits, seq.logits), k
+        for got, want in zip(asked[k].cache.layers, seq.cache.layers):
+            assert got.entries_per_head() == want.entries_per_head()
+            for (gk, gv), (wk, wv) in zip(got.heads(), want.heads()):
+                assert torch.equal(gk, wk) and torch.equal(gv, wv), k
 
 
 def test_a_run_scores_each_follow_up_on_its_own_references(tiny_model_dir, tmp_path):

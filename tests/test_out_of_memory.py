@@ -95,6 +95,26 @@ def test_a_prefill_out_of_memory_waits_for_the_answers_in_flight(model, prompts,
     assert "it is prefilled alone once they finish" in capsys.readouterr().out
 
 
+def test_a_question_fed_out_of_memory_waits_for_the_answers_in_flight(model, prompts, roomy, capsys):
+    """A question fed after compression is fed as its answer is about to join the pool: out of memory there, its
+    sample is prefilled again alone once the answers in flight finish."""
+    (asked,) = [s["question"].shape[1] for s in prompts if s["question"] is not None]
+    pool, failed = DecodePool(model, 8), []
+
+    def when(kind, ids):
+        if kind == "prefill" and ids.shape[1] == asked and pool.sequences and not failed:
+            failed.append(len(pool.sequences))
+            return True
+        return False
+
+    hook = fail_forward(model, when)
+    try:
+        assert answers(pool, model, prompts) == roomy
+    finally:
+        hook.remove()
+    assert failed and "ran out of memory feeding its question with" in capsys.readouterr().out
+
+
 def test_a_sequence_that_cannot_join_waits_and_the_pool_admits_fewer(model, prompts, roomy, monkeypatch):
     load, failed = PoolLayer.load, []
 

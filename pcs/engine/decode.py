@@ -383,12 +383,34 @@ def decode(pool: DecodePool, arrivals: Iterable) -> Iterator[Sequence]:
     sequence waits and a slot is free, so prefills interleave with decoding and at most one sample's cells wait
     outside the pool. Out of device memory, fewer answers go on in flight (the module's docstring)."""
     arrivals = iter(arrivals)
-    again: deque[tuple] = deque()    # (arrival, cells) to prefill again before new arrivals
-    waiting: deque[Sequence] = deque()
+    again: deque[tuple] = deque()    # (arrival, answers) to prefill again before new arrivals
+    waiting: deque = deque()         # one arrival's answers: the first asked (its question fed) as it comes up
     more, drain = True, False        # drain: a prefill waits for the answers in flight to finish
+
+    def out_of_memory(arrival, which, stage: str, err) -> None:
+        nonlocal drain
+        if pool.sequences:
+            say(f"{arrival.name} ({arrival.tokens:,} tokens) ran out of memory {stage} with {len(pool.sequences)} "
+                f"answers in flight: it is prefilled alone once they finish")
+            drain = True
+        elif pool.released:
+            raise DoesNotFit(arrival, stage, pool.device, err) from err
+        else:
+            pool.release()
+        again.appendleft((arrival, which))
+
     while True:
         while pool.free and not drain:
             if waiting:
+                if not isinstance(waiting[0], Sequence):
+                    try:
+                        waiting[0] = waiting[0].ask()
+                    except torch.OutOfMemoryError as err:
+                        # Its cell's cache may be half fed: the sample's waiting answers are prefilled again.
+                        ((arrival, which),) = cells_of(list(waiting))
+                        waiting.clear()
+                        out_of_memory(arrival, which, "feeding its question", err)
+                        continue
                 seq = waiting[0]
                 if seq.max_new_tokens == 0:
                     yield waiting.popleft().finished()
@@ -417,17 +439,9 @@ def decode(pool: DecodePool, arrivals: Iterable) -> Iterator[Sequence]:
                     more = False
                     break
             try:
-                waiting.extend(arrival.prefill(which, pool.options))
+                waiting.extend(arrival.answers(which, pool.options))
             except torch.OutOfMemoryError as err:
-                if pool.sequences:
-                    say(f"out of memory prefilling {arrival.name} ({arrival.tokens:,} tokens) with "
-                        f"{len(pool.sequences)} answers in flight: it is prefilled alone once they finish")
-                    drain = True
-                elif pool.released:
-                    raise DoesNotFit(arrival, "in its prefill", pool.device, err) from err
-                else:
-                    pool.release()
-                again.appendleft((arrival, which))
+                out_of_memory(arrival, which, "in its prefill", err)
         if not pool.sequences:
             if drain:
                 pool.release()
@@ -450,8 +464,8 @@ def decode(pool: DecodePool, arrivals: Iterable) -> Iterator[Sequence]:
             again.extend(cells_of(oom.in_flight))
 
 
-def cells_of(sequences: list[Sequence]) -> list[tuple]:
-    """(arrival, its cells) of each arrival among ``sequences``, in order."""
+def cells_of(sequences: list) -> list[tuple]:
+    """(arrival, its answers) of each arrival among ``sequences`` (or answers not yet asked), in order."""
     grouped: dict[int, tuple] = {}
     for seq in sequences:
         arrival, index = seq.source

@@ -1,11 +1,14 @@
 """A sample's prefill, shared by its cells: one forward of the prompt, every cell's compression of each layer as
 it passes (``pcs.compression``), then each cell's question (when fed after compression) on its own cache, and
-each follow-up question on its own copy of that compressed cache. What comes out is one ``Sequence`` per cell
-and question, ready to join a decode pool."""
+each follow-up question on its own copy of that compressed cache. What comes out is one ``Answer`` per cell and
+question; asking it feeds its question and gives the ``Sequence`` that joins a decode pool. The decode pool asks
+each answer only as it is about to join, so the answers waiting outside it hold one compressed cache per cell,
+not one per cell and question."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -61,21 +64,53 @@ class Arrival:
         return self.input_ids.shape[1] + max(asked, default=0)
 
     def prefill(self, which: list[int] | None = None, options: EngineOptions | None = None) -> list[Sequence]:
-        """The sequences of answers ``which`` (all by default), after one shared prefill of their cells under the
+        """The sequences of answers ``which`` (all by default): ``answers``, each asked in order."""
+        return [answer.ask() for answer in self.answers(which, options)]
+
+    def answers(self, which: list[int] | None = None, options: EngineOptions | None = None) -> list[Answer]:
+        """Answers ``which`` (all by default), not yet asked, after one shared prefill of their cells under the
         engine's ``options`` (None: the defaults)."""
         q = self.questions
-        which = list(range(len(self.cells) * q)) if which is None else which
+        which = sorted(range(len(self.cells) * q) if which is None else which)
         cells = sorted({k // q for k in which})
         owners = self.owners or [None] * (len(self.cells) * q)
-        sequences = prefill(self.model, self.input_ids, [self.cells[i] for i in cells], self.max_new_tokens,
-                            self.stops, self.question_ids, self.min_new_tokens,
-                            [owners[i * q + j] for i in cells for j in range(q)], options, self.follow_ups,
-                            self.repeat)
-        answers = [i * q + j for i in cells for j in range(q)]
-        for k, seq in zip(answers, sequences):
-            seq.source = (self, k)
-        wanted = set(which)     # a cell prefilled again for some of its answers: the others were yielded already
-        return [seq for k, seq in zip(answers, sequences) if k in wanted]
+        # A cell prefilled again for some of its answers: the others were yielded already.
+        asked = [[j for j in range(q) if i * q + j in which] for i in cells]
+        answers = prefill_answers(self.model, self.input_ids, [self.cells[i] for i in cells], self.max_new_tokens,
+                                  self.stops, self.question_ids, self.min_new_tokens,
+                                  [owners[i * q + j] for i in cells for j in range(q)], options, self.follow_ups,
+                                  self.repeat, asked)
+        for k, answer in zip(which, answers):
+            answer.source = (self, k)
+        return answers
+
+
+@dataclass
+class Answer:
+    """One cell's answer to one question before its question is fed: ``ask`` feeds it and gives the ``Sequence``
+    to decode (with ``source`` set)."""
+    feed: Callable[[], Sequence]
+    source: tuple | None = None       # (Arrival, answer index): how to prefill it again
+
+    def ask(self) -> Sequence:
+        seq = self.feed()
+        seq.source = self.source
+        return seq
+
+
+class Shared:
+    """A cell's compressed cache, handed to its answers: a copy to each, the cache itself to the last one asked,
+    so every answer starts from the compressed prompt whatever order they are asked in."""
+
+    def __init__(self, cache: CompressedCache, answers: int):
+        self.cache, self.left = cache, answers
+
+    def take(self) -> CompressedCache:
+        self.left -= 1
+        cache = self.cache if self.left == 0 else self.cache.copy()
+        if self.left == 0:
+            self.cache = None
+        return cache
 
 
 def full_kv_bytes(config, n_tokens: int, dtype: torch.dtype) -> int:
@@ -85,20 +120,32 @@ def full_kv_bytes(config, n_tokens: int, dtype: torch.dtype) -> int:
     return per_entry * sum(held_entries(w, n_tokens) for w in attention_windows(config))
 
 
-@torch.inference_mode()
 def prefill(model, input_ids: torch.Tensor, cells: list[Cell], max_new_tokens: int, stops: set[int],
             question_ids: torch.Tensor | None = None, min_new_tokens: int = 0, owners: list | None = None,
             options: EngineOptions | None = None, follow_ups: tuple[torch.Tensor, ...] = (),
             repeat: RepeatPrompt | None = None) -> list[Sequence]:
-    """One prompt prefilled once for every cell; each cell's ``Sequence`` holds the cache and first logits a
-    prefill of its own would give (``tests/test_shared_prefill.py``), then one per follow-up, from a copy of
-    the cell's compressed cache with the follow-up fed on it (``owners``: one per cell and question, in that
-    order). ``options``: the engine's (None: the defaults). ``repeat``: the request to repeat the context, which
-    a method scored by a reconstruction (KVzip) needs; its reconstruction is part of the prefill's time."""
+    """``prefill_answers``' answers to every question, asked in order: one ``Sequence`` per cell and question."""
+    return [answer.ask() for answer in prefill_answers(model, input_ids, cells, max_new_tokens, stops, question_ids,
+                                                       min_new_tokens, owners, options, follow_ups, repeat)]
+
+
+@torch.inference_mode()
+def prefill_answers(model, input_ids: torch.Tensor, cells: list[Cell], max_new_tokens: int, stops: set[int],
+                    question_ids: torch.Tensor | None = None, min_new_tokens: int = 0, owners: list | None = None,
+                    options: EngineOptions | None = None, follow_ups: tuple[torch.Tensor, ...] = (),
+                    repeat: RepeatPrompt | None = None, asked: list[Iterable[int]] | None = None) -> list[Answer]:
+    """One prompt prefilled once for every cell; each cell's answer to each question (the prompt's, then the
+    follow-ups') as an ``Answer`` whose ``Sequence`` holds the cache and first logits a prefill of its own would
+    give (``tests/test_shared_prefill.py``), a follow-up's from a copy of the cell's compressed cache with the
+    follow-up fed on it. ``asked``: per cell, which questions (all by default); ``owners``: one per cell and
+    question, in that order. ``options``: the engine's (None: the defaults). ``repeat``: the request to repeat the
+    context, which a method scored by a reconstruction (KVzip) needs; its reconstruction is part of the prefill's
+    time."""
     options = options or defaults()
     device = next(model.parameters()).device
     n = input_ids.shape[1]
     questions = [question_ids, *follow_ups]
+    asked = [range(len(questions))] * len(cells) if asked is None else [list(a) for a in asked]
     room = max([0] + [ids.shape[1] for ids in questions if ids is not None])   # appended before decoding
     caches = [CompressedCache.of(model.config, room) for _ in cells]
     start = clock(device)
@@ -108,24 +155,26 @@ def prefill(model, input_ids: torch.Tensor, cells: list[Cell], max_new_tokens: i
                        logits_to_keep=1).logits
     prefill_s = clock(device) - start
     del caches
-    sequences, owners = [], owners or [None] * (len(cells) * len(questions))
-    for i, cell in enumerate(cells):
-        done, compressed[i] = compressed[i], None       # the cell's prefill cache goes once it has joined
-        for j, asked in enumerate(questions):
-            cache = done.cache if j == len(questions) - 1 else done.cache.copy()   # the last takes the original
+    answers, owners = [], owners or [None] * (len(cells) * len(questions))
+    for i, (cell, done, which) in enumerate(zip(cells, compressed, asked)):
+        shared = Shared(done.cache, len(which))
+        for j in which:
             settled = cell.settled[j] if j < len(cell.settled) else None
-            sequences.append(with_question(model, cache, cell, logits, n, prefill_s, done.stats, asked,
-                                           max_new_tokens, min_new_tokens, frozenset(stops),
-                                           owners[i * len(questions) + j], options.stage2, settled))
-    return sequences
+            answers.append(Answer(functools.partial(
+                with_question, model, shared.take, cell, logits, n, prefill_s, done.stats, questions[j],
+                max_new_tokens, min_new_tokens, frozenset(stops), owners[i * len(questions) + j], options.stage2,
+                settled)))
+    return answers
 
 
-def with_question(model, cache: CompressedCache, cell: Cell, logits, n: int, prefill_s: float, prefilled: PrefillStats,
-                  question_ids, max_new_tokens: int, min_new_tokens: int, stops: frozenset, owner,
-                  search: Stage2Search | None = None, settled: Callable | None = None) -> Sequence:
-    """A cell's sequence for one question: the question (if fed after compression) on its compressed cache, then
-    its sizes."""
+@torch.inference_mode()
+def with_question(model, take: Callable[[], CompressedCache], cell: Cell, logits, n: int, prefill_s: float,
+                  prefilled: PrefillStats, question_ids, max_new_tokens: int, min_new_tokens: int, stops: frozenset,
+                  owner, search: Stage2Search | None = None, settled: Callable | None = None) -> Sequence:
+    """A cell's sequence for one question: the question (if fed after compression) on the compressed cache
+    ``take`` gives, then its sizes."""
     device = logits.device
+    cache = take()
     stats = CompressionStats(max_kv_entries=cache.most_entries())
     start = clock(device)
     with recompress_when_full(model, cell.method, cache, cell.trigger, stats, search):
