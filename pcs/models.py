@@ -93,9 +93,9 @@ def prepare(model):
     return model.eval()
 
 
-def load_model(model_cfg):
-    """(model, tokenizer) for a ``model`` config group."""
-    location = weights_location(model_cfg)
+def load_model(model_cfg, location: str | None = None):
+    """(model, tokenizer) for a ``model`` config group, from ``location`` (by default ``weights_location``'s)."""
+    location = location or weights_location(model_cfg)
     attention_windows(AutoConfig.from_pretrained(location))   # refuses what pcs cannot compress, before the weights
     tokenizer = AutoTokenizer.from_pretrained(location)
     # device_map="auto" spreads a model too big for one GPU (Qwen2.5-32B) over all visible GPUs.
@@ -116,9 +116,9 @@ class Loaded:
 
 def load(model_cfg) -> Loaded:
     """``load_model`` with what a run records and stops at besides."""
-    model, tokenizer = load_model(model_cfg)
-    return Loaded(model, tokenizer, stop_token_ids(model, tokenizer, model_cfg.stop_tokens),
-                  fingerprint(weights_location(model_cfg)))
+    location = weights_location(model_cfg)
+    model, tokenizer = load_model(model_cfg, location)
+    return Loaded(model, tokenizer, stop_token_ids(model, tokenizer, model_cfg.stop_tokens), fingerprint(location))
 
 
 def stop_token_ids(model, tokenizer, extra_tokens=()) -> set[int]:

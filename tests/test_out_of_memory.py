@@ -217,8 +217,8 @@ def test_a_run_stops_on_a_sample_that_does_not_fit_keeps_every_earlier_row_and_r
 
     load_model = pcs.models.load_model
 
-    def small_device(model_cfg):
-        model, tokenizer = load_model(model_cfg)
+    def small_device(model_cfg, *location):
+        model, tokenizer = load_model(model_cfg, *location)
         fail_forward(model, lambda kind, ids: kind == "prefill" and ids.shape[1] > longest - 50)
         return model, tokenizer
 

@@ -240,7 +240,7 @@ def test_status_tells_a_job_stopped_from_outside_from_a_failure(tiny_model_dir, 
     from pcs.status import report
     cfgs = [needle(tiny_model_dir, tmp_path, *cell) for cell in CELLS]
 
-    def preempted(model_cfg):
+    def preempted(*_):
         raise SystemExit(-1)
 
     monkeypatch.setattr(pcs.models, "load_model", preempted)

@@ -19,10 +19,11 @@ sample is prefilled once for all its cells while the others decode. Each sequenc
 decoding gives it, up to the rounding of batched kernels (``tests/test_pool.py`` says how near).
 
 Out of device memory, ``decode`` keeps going with fewer answers in flight and loses no finished answer: a
-prefill waits for the answers in flight to finish and is tried again alone; a sequence that cannot join waits
-and the pool admits no more than it holds; a step's answers in flight are dropped (their state may be half
-written), the pool takes half as many from then on, and their cells are prefilled again. A prompt that does not
-fit with nothing else in flight and the pool's buffers at their smallest (``release``) raises ``DoesNotFit``.
+prefill, or a question fed after compression (fed as its answer is about to join), waits for the answers in flight
+to finish and is tried again alone; a sequence that cannot join waits and the pool admits no more than it holds; a
+step's answers in flight are dropped (their state may be half written), the pool takes half as many from then on,
+and their cells are prefilled again. A prompt that does not fit with nothing else in flight and the pool's buffers
+at their smallest (``release``) raises ``DoesNotFit``.
 """
 from __future__ import annotations
 

@@ -75,7 +75,8 @@ class Arrival:
         cells = sorted({k // q for k in which})
         owners = self.owners or [None] * (len(self.cells) * q)
         # A cell prefilled again for some of its answers: the others were yielded already.
-        asked = [[j for j in range(q) if i * q + j in which] for i in cells]
+        wanted = set(which)
+        asked = [[j for j in range(q) if i * q + j in wanted] for i in cells]
         answers = prefill_answers(self.model, self.input_ids, [self.cells[i] for i in cells], self.max_new_tokens,
                                   self.stops, self.question_ids, self.min_new_tokens,
                                   [owners[i * q + j] for i in cells for j in range(q)], options, self.follow_ups,
@@ -107,9 +108,9 @@ class Shared:
 
     def take(self) -> CompressedCache:
         self.left -= 1
-        cache = self.cache if self.left == 0 else self.cache.copy()
-        if self.left == 0:
-            self.cache = None
+        if self.left:
+            return self.cache.copy()
+        cache, self.cache = self.cache, None
         return cache
 
 
