@@ -64,7 +64,7 @@ def prefilled(model, windows, trigger=60, max_new=8):
     ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(3))
     cells = [Cell(build(("method=snapkv", f"method.window={w}")), trigger) if w else Cell(build(("method=full",)))
              for w in windows]
-    return Arrival(model, ids, cells, max_new, set()).prefill()
+    return prefill(model, ids, cells, max_new, set())
 
 
 @pytest.mark.parametrize("trigger", [None, 50])
@@ -149,7 +149,7 @@ def test_what_a_join_would_allocate_is_counted_before_it_joins(layout, request):
     cells = [(("method=snapkv",), None), (("method=adakv", "selection=perturbation"), 60),
              (("method=snapkv", "selection=perturbation", "profile.gqa=per_query_head"), None),
              (("method=snapkv", "method.window=16"), 60), (("method=full",), None)]
-    sequences = Arrival(model, ids, [Cell(build(c), trigger) for c, trigger in cells], 20, set()).prefill()
+    sequences = prefill(model, ids, [Cell(build(c), trigger) for c, trigger in cells], 20, set())
     pool = DecodePool(model, 8)
 
     def buffers():
@@ -175,7 +175,7 @@ def test_a_full_cache_in_flight_leaves_the_compressed_rows_their_own_capacity(th
     cells = [Cell(build(("method=full",)))] + [Cell(build(("method=snapkv",)))] * 7
     pool = DecodePool(model, 8)
     with torch.inference_mode():
-        for seq in Arrival(model, ids, cells, 20, set()).prefill():
+        for seq in prefill(model, ids, cells, 20, set()):
             pool.join(seq)
     for layer in pool.layers:
         assert isinstance(layer, JaggedPoolLayer)

@@ -63,10 +63,6 @@ class Arrival:
         asked = [ids.shape[1] for ids in (self.question_ids, *self.follow_ups) if ids is not None]
         return self.input_ids.shape[1] + max(asked, default=0)
 
-    def prefill(self, which: list[int] | None = None, options: EngineOptions | None = None) -> list[Sequence]:
-        """The sequences of answers ``which`` (all by default): ``answers``, each asked in order."""
-        return [answer.ask() for answer in self.answers(which, options)]
-
     def answers(self, which: list[int] | None = None, options: EngineOptions | None = None) -> list[Answer]:
         """Answers ``which`` (all by default), not yet asked, after one shared prefill of their cells under the
         engine's ``options`` (None: the defaults)."""
