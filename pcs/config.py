@@ -64,15 +64,44 @@ def upgraded(saved: DictConfig) -> DictConfig:
 
 
 def compose(overrides=()) -> DictConfig:
-    """The run config for command-line style ``overrides``, composed as ``python run.py`` would (a copy of
-    the composition of the same overrides while the config tree's files are unchanged: Hydra takes a tenth of a
-    second per composition, and the bench, projections and tests compose the same cells many times).
-    Inside a running Hydra app (``run.py``), Hydra's own loader composes it."""
+    """The run config for command-line style ``overrides``, composed as ``python run.py`` would.
+    Inside a running Hydra app (``run.py``), Hydra's own loader composes it. Elsewhere (the report, the bench,
+    projections, tests) the same cells are composed many times, and Hydra takes a tenth of a second or more for
+    each: the overrides that choose options (``method=snapkv``) are composed once while the config tree's files
+    are unchanged, and those that set a value (``budget=256``) are applied to a copy of it by Hydra's own step
+    for them (``values_set``), which Hydra also applies after building the defaults, so the two give one config
+    (``tests/test_configs.py`` holds them equal)."""
     from hydra.core.global_hydra import GlobalHydra
     if GlobalHydra.instance().is_initialized():
         from hydra import compose as hydra_compose
         return hydra_compose(config_name="config", overrides=list(overrides))
-    return copy.deepcopy(_composed(tuple(overrides), _tree_state()))
+    choices, values = split_overrides(overrides)
+    cfg = copy.deepcopy(_composed(tuple(choices), _tree_state()))
+    values_set(cfg, values)
+    return cfg
+
+
+def split_overrides(overrides) -> tuple[list[str], list]:
+    """``overrides`` as those left to Hydra's composition (option choices, and anything else than a plain
+    ``key=value``) and the parsed plain ``key=value`` overrides of keys that are no config group."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    choices, values = [], []
+    for line, override in zip(overrides, OverridesParser.create().parse_overrides(list(overrides))):
+        key = override.key_or_group
+        plain = not (override.is_sweep_override() or override.is_add() or override.is_force_add()
+                     or override.is_delete() or override.package is not None or isinstance(override.value(), dict))
+        if plain and not key.startswith("hydra") and not (CONF_DIR / key).is_dir():
+            values.append(override)
+        else:
+            choices.append(line)
+    return choices, values
+
+
+def values_set(cfg: DictConfig, values: list) -> None:
+    """Hydra's own application of ``key=value`` overrides to a composed config (its loader's last step)."""
+    if values:
+        from hydra._internal.config_loader_impl import ConfigLoaderImpl
+        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
 
 
 def _tree_state() -> tuple:
