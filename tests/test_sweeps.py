@@ -244,3 +244,37 @@ def test_a_result_hidden_by_a_cached_listing_is_looked_for_again_before_a_job_is
     assert not refreshed(folder / "0_result.pkl")
     (folder / "0_result.pkl").write_bytes(b"x")
     assert refreshed(folder / "0_result.pkl") and folder.stat().st_mode == mode
+
+
+# Sweeps whose cells choose the same options and differ in plain values (budgets, lists, knobs), one of them
+# with its values before its choices and a launcher override on the command line.
+SHARED_CHOICES = [
+    (["experiment=leaderboard_question_after", "results_dir=elsewhere"],
+     [["method=kvzip", "selection=perturbation", f"budget={b}"] for b in (512, 1024)]),
+    (["experiment=kvpress_leaderboard", "hydra/launcher=pcs_slurm", "hydra.launcher.shards=8"],
+     [["press=snapkv", f"budget={b}"] for b in (0.75, 0.125)]),
+    (["benchmark=ruler"], [[f"budget={b}", "benchmark.lengths=[2048]", "method=snapkv", "ablation=epsilon"]
+                           for b in (256, 512)] + [["method=full"]]),
+]
+
+
+@pytest.mark.parametrize("command, cells", SHARED_CHOICES, ids=[c[0] for c, _ in SHARED_CHOICES])
+def test_a_sweeps_cells_sharing_their_choices_are_what_hydras_loader_composes(command, cells):
+    """The launcher's loader (``ComposedOnce``) composes a cell's option choices once and sets its values on a
+    copy: each cell, ``hydra`` node included (its recorded overrides and directory name), equals what Hydra's own
+    loader composes for it, and the sweeper's composition is the launcher's."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+    from hydra.types import RunMode
+    from hydra_plugins.pcs_launcher.pcs_launcher import ComposedOnce
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(CONF))
+    hydra_side = [o for o in command if o.startswith("hydra")]
+    master = loader.load_configuration("config", overrides=command, run_mode=RunMode.MULTIRUN)
+    once = ComposedOnce(loader)
+    for cell in cells:
+        overrides = [o for o in command if o not in hydra_side] + cell
+        plain = loader.load_sweep_config(master, overrides)
+        shared = once(master, overrides)
+        assert OmegaConf.to_yaml(shared) == OmegaConf.to_yaml(plain)
+        assert once(master, overrides) is shared                      # the launcher takes what the sweeper checked
+    assert len(once.choices) == 1                                   # one composition of the choices

@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Sequence
 
 from hydra.core.config_store import ConfigStore
+from hydra._internal.config_loader_impl import get_overrides_dirname
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, setup_globals
 from hydra.plugins.launcher import Launcher
@@ -23,7 +25,7 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQue
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from pcs.config import positive_int
+from pcs.config import positive_int, split_overrides, values_set
 from pcs.errors import ConfigError
 from pcs.slurm_queue import ENDED_STATES, queue_states
 from pcs.sweep import check, describe, left_unfinished, plan
@@ -34,18 +36,38 @@ class ComposedOnce:
     """Hydra's sweeper composes each cell's config to check it, then hands the launcher only the cell's overrides,
     to compose again (a quarter of a second a cell). Installed as the config loader's ``load_sweep_config`` by the
     launcher's ``setup``, this keeps the sweeper's composition for the launcher's ``cell_config``, which takes it
-    (and the launcher owns it from then on). Pickled with a submitted job as the plain loader (the job carries
-    its configs and composes nothing)."""
+    (and the launcher owns it from then on). Cells that choose the same options and differ in plain values
+    (``budget=256``) are composed once: each is a copy with its values set as ``pcs.config.compose`` sets them and
+    its overrides recorded in the ``hydra`` node as Hydra records them (``tests/test_sweeps.py`` holds the two equal).
+    Pickled with a submitted job as the plain loader (the job carries its configs and composes nothing)."""
 
     def __init__(self, loader) -> None:
-        self.loader, self.kept = loader, {}
+        self.loader, self.kept, self.choices = loader, {}, {}
 
     def __call__(self, master_config: DictConfig, sweep_overrides: list[str]) -> DictConfig:
         key = tuple(sweep_overrides)
         if key in self.kept:
             return self.kept.pop(key)
-        self.kept[key] = composed = type(self.loader).load_sweep_config(self.loader, master_config, sweep_overrides)
+        self.kept[key] = composed = self.compose(master_config, list(sweep_overrides))
         return composed
+
+    def compose(self, master_config: DictConfig, sweep_overrides: list[str]) -> DictConfig:
+        choices, values = split_overrides(sweep_overrides)
+        if not values:
+            return type(self.loader).load_sweep_config(self.loader, master_config, sweep_overrides)
+        if tuple(choices) not in self.choices:
+            self.choices[tuple(choices)] = type(self.loader).load_sweep_config(self.loader, master_config, choices)
+        cfg = copy.deepcopy(self.choices[tuple(choices)])
+        values_set(cfg, values)
+        # What Hydra's loader records of a cell's overrides (its load_configuration): every task override in
+        # order, and the directory name made of them.
+        parsed = [o for o in OverridesParser.create().parse_overrides(sweep_overrides) if not o.is_hydra_override()]
+        cfg.hydra.overrides.task = [o.input_line for o in parsed]
+        named = cfg.hydra.job.config.override_dirname
+        cfg.hydra.job.override_dirname = get_overrides_dirname(
+            overrides=parsed, kv_sep=named.kv_sep, item_sep=named.item_sep, exclude_keys=named.exclude_keys)
+        OmegaConf.copy_cache(from_config=master_config, to_config=cfg)
+        return cfg
 
     def __reduce__(self):
         return functools.partial, (type(self.loader).load_sweep_config, self.loader)
