@@ -214,7 +214,7 @@ def test_protocols_are_named_and_never_share_a_leaderboard_table():
             for p, s in [("question inside", 50.0), ("question after compression", 20.0)]]
     board = pd.DataFrame(rows, columns=COLUMNS)
     split = tables(board)
-    assert [(p, len(block)) for _, p, _, block in split] == [("question inside", 1), ("question after compression", 1)]
+    assert [(p, len(block)) for _, p, _, _, block in split] == [("question inside", 1), ("question after compression", 1)]
     text = "\n".join(markdown(board))
     assert "### m, 2048 tokens, question inside (10 samples per run)" in text
     assert "### m, 2048 tokens, question after compression (10 samples per run)" in text

@@ -56,18 +56,34 @@ def results(tmp_path):
     return root
 
 
-def test_a_run_far_behind_stays_out_until_it_has_half_the_answers(results):
+def test_a_run_far_behind_stays_out_until_it_has_half_the_answers(results, tmp_path):
     """A method added to a sweep late: with 9 answers against the most-answered run's 23 it would shrink every row
-    to 9 samples, so it is left out; with 12 (at least half) it enters and the rows hold the 12 all share."""
+    to 9 samples, so the main table leaves it out, and a second table holds every run on the 9 samples all share
+    (scores and effects worked out on those); with 12 (at least half) it enters and the rows hold the 12 all
+    share, and the second table goes."""
     late = write_answers(results, ["method=knorm", "selection=attention", "budget=256"],
                          {"niah_single_1": range(10), "niah_single_2": range(10)})
     rows = (late / "predictions.jsonl").read_text().splitlines()
-    (late / "predictions.jsonl").write_text("\n".join(rows[:9]) + "\n")
+    (late / "predictions.jsonl").write_text("\n".join(rows[:9]) + "\n")      # niah_single_1's samples 0-8
     board = leaderboard(["leaderboard", "benchmark.n_samples=10"], results, resamples=200)
-    assert "knorm" not in set(board["method"]) and set(board["n"]) == {20}
+    main_table, catching_up = board[board["cohort"] == ""], board[board["cohort"] != ""]
+    assert "knorm" not in set(main_table["method"]) and set(main_table["n"]) == {20}
+    assert len(catching_up) == 5 and set(catching_up["n"]) == {9} and "knorm" in set(catching_up["method"])
+    scores = catching_up.set_index(["method", "selection"])
+    # on niah_single_1's samples 0-8 (one task): snapkv right at 0-2, with perturbation at 0-4, the full cache all
+    assert scores.loc[("knorm", "attention"), "score"] == pytest.approx(100.0)
+    assert scores.loc[("snapkv", "attention"), "score"] == pytest.approx(100 * 3 / 9)
+    assert scores.loc[("snapkv", "perturbation"), "effect"] == pytest.approx(100 * 2 / 9)
+    out = tmp_path / "board"
+    assert main(["--results", str(results), "--leaderboard", "leaderboard", "benchmark.n_samples=10",
+                 "--out", str(out), "--resamples", "200"]) == 0
+    readme = (out / "README.md").read_text()
+    assert readme.index("### smollm2, 2048 tokens, question inside (20 samples per run)") < readme.index(
+        "### smollm2, 2048 tokens, question inside, every run, those catching up included (9 samples per run)")
+    assert readme.count("| knorm |") == 1 and sorted(p.name for p in out.glob("*.png")) == ["smollm2_2048.png"]
     (late / "predictions.jsonl").write_text("\n".join(rows[:12]) + "\n")
     board = leaderboard(["leaderboard", "benchmark.n_samples=10"], results, resamples=200)
-    assert "knorm" in set(board["method"]) and set(board["n"]) == {12}
+    assert "knorm" in set(board["method"]) and set(board["n"]) == {12} and set(board["cohort"]) == {""}
 
 
 def test_rows_are_worked_out_on_the_samples_every_run_answered(results, tmp_path):

@@ -269,7 +269,9 @@ def build_leaderboard(results: Path, experiments: list[str], bench: list[Path], 
              f"interval], * where it excludes zero (each interval on its own; {resamples} resamples, seed {seed}). "
              "Methods without a selection (their own rule) show `none`. Runs in progress enter with the samples "
              "every run of the experiment has answered; a run with fewer than half the answers of the experiment's "
-             "most-answered run stays out until it catches up (`python -m pcs.status` shows it). A table of follow-ups scores the follow-ups (their mean per "
+             "most-answered run stays out until it catches up (`python -m pcs.status` shows it), and meanwhile a second "
+             "table after the main one holds every run on the samples all of them share. A table of follow-ups "
+             "scores the follow-ups (their mean per "
              "sample) and adds the first question's score on the same caches and the follow-ups minus it [95 % "
              "paired]. A table of shares of the prompt is also given by compression ratio, as kvpress's "
              "leaderboard gives it.", ""]
@@ -277,8 +279,10 @@ def build_leaderboard(results: Path, experiments: list[str], bench: list[Path], 
         rows = read_jsonl(path)
         lines += [f"Bench `{path.name}`: `python -m pcs.bench --json` on {rows[0].get('device_name', '?')}, "
                   f"{', '.join(sorted({r['model'] for r in rows}))}: {bench_rounds(rows)}.", ""]
-    for model, protocol, length, block in leaderboard_tables(board):
+    for model, protocol, length, cohort, block in leaderboard_tables(board):
         lines += leaderboard_markdown(block)
+        if cohort:        # a table of runs catching up is read, not drawn: its samples are few and growing
+            continue
         # the paper's protocol keeps its figures' names; another's is in its figures' names
         name = "_".join([model, length] + ([re.sub(r"\W+", "_", protocol)] if protocol != "question inside" else []))
         figure = leaderboard_figure(block, out / f"{name}.png", leaderboard_title(model, length, protocol))

@@ -16,7 +16,7 @@ from ..paths import read_jsonl
 from ..run_folder import all_rows
 from .significance import RESAMPLES, SEED, paired_bootstrap, scores_frame, strata_of
 
-COLUMNS = ["model", "protocol", "length", "method", "selection", "budget", "n", "score", "ci_low", "ci_high", "kv_kept",
+COLUMNS = ["model", "protocol", "length", "cohort", "method", "selection", "budget", "n", "score", "ci_low", "ci_high", "kv_kept",
            "prefill_rel", "decode_rel", "effect", "effect_low", "effect_high", "first", "first_low", "first_high",
            "loss", "loss_low", "loss_high", "run_dir"]
 
@@ -111,17 +111,29 @@ def leaderboard(experiments: list[str], results: Path, bench: list[Path] = (), r
         frames = {path: answered(path) for path in runs}
         most = max(len(f) for f in frames.values())
         # a run started long after the others (a method added to the sweep) would shrink every row to its few
-        # samples: it stays out until it has half of the most-answered run's (pcs.status shows its progress)
-        runs = {path: identity for path, identity in runs.items() if 2 * len(frames[path]) >= most}
-        frames = {path: frames[path] for path in runs}
-        shared = set.intersection(*(set(f["id"]) for f in frames.values()))
-        frames = {path: f[f["id"].isin(shared)].reset_index(drop=True) for path, f in frames.items()}
-        for path, identity in runs.items():
-            frame = frames[path]
-            lengths = [int(length) for length in sorted(set(frame["length"]))]
-            for length in [[length] for length in lengths] + ([lengths] if len(lengths) > 1 else []):
-                rows.append(row(identity, path, frame, length, frames, runs, costs, resamples, seed))
+        # samples: it stays out of the main table until it has half of the most-answered run's, and meanwhile
+        # every run is shown again on the samples all of them share, beside it (wider intervals, nothing hidden)
+        admitted = {path: identity for path, identity in runs.items() if 2 * len(frames[path]) >= most}
+        cohorts = [(MAIN, admitted)] + ([(CATCHING_UP, runs)] if len(admitted) < len(runs) else [])
+        for cohort, members in cohorts:
+            rows += cohort_rows(cohort, members, frames, costs, resamples, seed)
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+MAIN, CATCHING_UP = "", "every run, those catching up included"
+
+
+def cohort_rows(cohort: str, runs: dict, frames: dict, costs, resamples: int, seed: int) -> list[dict]:
+    """The rows of ``runs`` on the samples all of them have answered, per length and over its lengths together."""
+    shared = set.intersection(*(set(frames[path]["id"]) for path in runs))
+    frames = {path: frames[path][frames[path]["id"].isin(shared)].reset_index(drop=True) for path in runs}
+    rows = []
+    for path, identity in runs.items():
+        frame = frames[path]
+        lengths = [int(length) for length in sorted(set(frame["length"]))]
+        for length in [[length] for length in lengths] + ([lengths] if len(lengths) > 1 else []):
+            rows.append(row(identity, path, frame, length, frames, runs, costs, resamples, seed) | {"cohort": cohort})
+    return rows
 
 
 def lengths_label(lengths: list[int]) -> str:
@@ -159,23 +171,24 @@ def row(identity, path, frame, lengths: list[int], frames, runs, costs, resample
     return out
 
 
-def tables(board: pd.DataFrame) -> list[tuple[str, str, str, pd.DataFrame]]:
-    """(model, protocol, length, rows) per table: never two protocols in one (their runs answer other questions of
-    the cache); each model's protocols in turn, its lengths together first, then each length."""
-    board = board.assign(protocol=board["protocol"].fillna(""))
+def tables(board: pd.DataFrame) -> list[tuple[str, str, str, str, pd.DataFrame]]:
+    """(model, protocol, length, cohort, rows) per table: never two protocols in one (their runs answer other
+    questions of the cache); each model's protocols in turn, its lengths together first, then each length, each
+    table followed by its runs with those catching up (``CATCHING_UP``) where some are."""
+    board = board.assign(protocol=board["protocol"].fillna(""), cohort=board["cohort"].fillna(MAIN))
     order = board.assign(_parts=board["length"].str.count(r"\+"), _first=board["length"].str.split("+").str[0]
                          .astype(int), _inside=board["protocol"] != "question inside")
-    keys = order.sort_values(["model", "_inside", "protocol", "_parts", "_first"],
-                             ascending=[True, True, True, False, True])[["model", "protocol", "length"]]
-    return [(model, protocol, length, board[(board["model"] == model) & (board["protocol"] == protocol)
-                                            & (board["length"] == length)])
-            for model, protocol, length in keys.drop_duplicates().itertuples(index=False)]
+    keys = order.sort_values(["model", "_inside", "protocol", "_parts", "_first", "cohort"],
+                             ascending=[True, True, True, False, True, True])[["model", "protocol", "length", "cohort"]]
+    return [(model, protocol, length, cohort, board[(board["model"] == model) & (board["protocol"] == protocol)
+                                                    & (board["length"] == length) & (board["cohort"] == cohort)])
+            for model, protocol, length, cohort in keys.drop_duplicates().itertuples(index=False)]
 
 
-def title(model: str, length: str, protocol: str = "") -> str:
+def title(model: str, length: str, protocol: str = "", cohort: str = MAIN) -> str:
     lengths = length.split("+")
     tokens = f"{length} tokens" if len(lengths) == 1 else f"{', '.join(lengths[:-1])} and {lengths[-1]} tokens together"
-    return ", ".join(filter(None, [model, tokens, protocol]))
+    return ", ".join(filter(None, [model, tokens, protocol, cohort]))
 
 
 def interval(r, key: str, signed: bool = False) -> str:
@@ -195,11 +208,11 @@ def markdown(board: pd.DataFrame) -> list[str]:
     follow-ups adds the first question's score and the follow-ups' difference to it (paired); a table whose budgets
     are shares of the prompt is also given as kvpress's leaderboard gives it (``by_ratio``)."""
     lines = []
-    for model, protocol, length, block in tables(board):
+    for model, protocol, length, cohort, block in tables(board):
         n = int(block["n"].max())
         follow = block["first"].notna().any()
         extra = " first question [95 %] | follow-ups - first [95 %] |" if follow else ""
-        lines += [f"### {title(model, length, protocol)} ({n} samples per run)", "",
+        lines += [f"### {title(model, length, protocol, cohort)} ({n} samples per run)", "",
                   "| method | selection | budget | score [95 %] | KV kept | prefill | decode | perturbation - attention "
                   "[95 %] |" + extra, "|---|---|---:|---|---:|---:|---:|---|" + ("---|---|" if follow else "")]
         order = block.assign(_full=block["budget"].notna(), _budget=block["budget"].fillna(0))
