@@ -81,6 +81,10 @@ def test_a_run_far_behind_stays_out_until_it_has_half_the_answers(results, tmp_p
     assert readme.index("### smollm2, 2048 tokens, question inside (20 samples per run)") < readme.index(
         "### smollm2, 2048 tokens, question inside, every run, those catching up included (9 samples per run)")
     assert readme.count("| knorm |") == 1 and sorted(p.name for p in out.glob("*.png")) == ["smollm2_2048.png"]
+    alone = {**json.loads(rows[0]), "id": "niah_single_1_2048_19"}     # a sample no other run has answered
+    (late / "predictions.jsonl").write_text(json.dumps(alone) + "\n")
+    board = leaderboard(["leaderboard", "benchmark.n_samples=10"], results, resamples=200)
+    assert set(board["cohort"]) == {""} and set(board["n"]) == {20}
     (late / "predictions.jsonl").write_text("\n".join(rows[:12]) + "\n")
     board = leaderboard(["leaderboard", "benchmark.n_samples=10"], results, resamples=200)
     assert "knorm" in set(board["method"]) and set(board["n"]) == {12} and set(board["cohort"]) == {""}
