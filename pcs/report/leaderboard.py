@@ -3,7 +3,8 @@ answered, per model and context length, and per model over all its lengths toget
 mean over every task and length: the leaderboard's headline, its samples those of every length). Each row: the mean score over tasks with its 95 % bootstrap interval
 (samples resampled within tasks), the share of the full cache's entries kept, prefill and decode time relative to
 the full cache (from a ``pcs.bench`` file where one is given), and, where the method takes a selection, the paired
-difference of perturbation to attention-only selection at the same budget [95 % interval]."""
+difference of perturbation to attention-only selection at the same budget [95 % interval]. A run far behind the
+others (a method added late) is left out of its table and shown with every run in a second one (``CATCHING_UP``)."""
 from __future__ import annotations
 
 from pathlib import Path
